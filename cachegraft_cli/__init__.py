@@ -1,0 +1,3 @@
+"""CacheGraft: retrieval-augmented generation with fused (Cache-to-Cache) KV caches."""
+
+__version__ = "0.1.0"

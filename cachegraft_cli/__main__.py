@@ -1,0 +1,3 @@
+from cachegraft_cli.cli.app import main
+
+main()

@@ -1,0 +1,56 @@
+"""The one place where exceptions become messages and exit codes."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import contextmanager
+
+from cachegraft_cli.errors import CacheGraftError
+
+_DEBUG = {"on": False}
+
+
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = on
+
+
+def debug_enabled() -> bool:
+    return _DEBUG["on"]
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def report(exc: BaseException) -> int:
+    """Print `exc` for a user and return the exit code it maps to."""
+    if debug_enabled():
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, CacheGraftError):
+        _say(f"error: {exc.message}")
+        if exc.hint:
+            _say(f"  hint: {exc.hint}")
+        return exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        _say("interrupted")
+        return 130
+    if isinstance(exc, MemoryError):
+        _say("error: out of memory. Use a smaller --batch-size or a smaller model.")
+        return 13
+    if isinstance(exc, BrokenPipeError):
+        return 0  # downstream closed the pipe (e.g. `| head`): not an error
+    _say(f"error: unexpected {type(exc).__name__}: {exc}")
+    _say("  hint: this is a bug in cachegraft; rerun with --debug for the traceback and report it.")
+    return 70
+
+
+@contextmanager
+def handled():
+    """Run a command body, turning any exception into a message and exit code."""
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the single top-level handler
+        raise SystemExit(report(exc)) from None

@@ -1,0 +1,27 @@
+"""Option aliases defined once and shared by every command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+StoreOpt = Annotated[str, typer.Option("--store", "-s", help="Store directory or fsspec URL (e.g. s3://bucket/store).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+PresetOpt = Annotated[
+    Optional[str],
+    typer.Option("--preset", "-p", help="Model pair preset (see `cachegraft models list`)."),
+]
+ReceiverOpt = Annotated[Optional[str], typer.Option("--receiver", help="Receiver model: hub id, local dir or .gguf file.")]
+SharerOpt = Annotated[Optional[str], typer.Option("--sharer", help="Sharer model: hub id, local dir or .gguf file.")]
+FuserOpt = Annotated[
+    Optional[str],
+    typer.Option("--fuser", help="Fuser: local dir, hub repo id, or REPO:SUBFOLDER; 'closed' for none."),
+]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1, mps (default: best available).")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default: by device).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own code.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Passages or questions per forward pass.")]
+TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
+OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
