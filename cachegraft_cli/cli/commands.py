@@ -8,7 +8,6 @@ import typer
 
 # (module under cachegraft_cli.cli, attribute, kind): kind "cmd" is a function, "group" a Typer app.
 _COMMANDS = [
-    ("encode_cmd", "encode", "cmd"),
 ]
 
 
