@@ -8,6 +8,7 @@ import typer
 
 # (module under cachegraft_cli.cli, attribute, kind): kind "cmd" is a function, "group" a Typer app.
 _COMMANDS = [
+    ("models_cmd", "models_app", "group"),
 ]
 
 
