@@ -1,0 +1,60 @@
+"""The C2C fuser: projectors, layer map, checkpoints, and where to find them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachegraft_cli.errors import CheckpointError, HubUnreachableError
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "fusers"
+
+
+def load_fuser(spec: str | None):
+    """Resolve a fuser spec to a loaded `Fuser`, or None for `closed`.
+
+    Specs: `closed`, `builtin:<name>`, a local directory, or `REPO:SUBFOLDER`
+    / `REPO` on the Hugging Face hub.
+    """
+    from cachegraft_cli.fuser.checkpoint import load_checkpoint
+
+    if spec in (None, "", "closed", "none"):
+        return None
+    return load_checkpoint(resolve_fuser_dir(spec))
+
+
+def resolve_fuser_dir(spec: str) -> Path:
+    if spec.startswith("builtin:"):
+        path = BUILTIN_DIR / spec.removeprefix("builtin:")
+        if not path.is_dir():
+            known = ", ".join(sorted(p.name for p in BUILTIN_DIR.iterdir())) if BUILTIN_DIR.is_dir() else "none"
+            raise CheckpointError(f"No built-in fuser named {spec!r}.", f"Built-in fusers: {known}.")
+        return path
+    local = Path(spec).expanduser()
+    if local.exists():
+        return local
+    if "/" not in spec:
+        raise CheckpointError(f"Fuser {spec!r} is neither a local directory nor a hub repo id.", _FUSER_HINT)
+    repo, _, subfolder = spec.partition(":")
+    return _hub_fuser_dir(repo, subfolder)
+
+
+_FUSER_HINT = "Give --fuser a local directory, REPO:SUBFOLDER on the hub, builtin:<name>, or closed."
+
+
+def _hub_fuser_dir(repo: str, subfolder: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = [f"{subfolder}/*", f"{subfolder}/final/*"] if subfolder else None
+    try:
+        root = Path(snapshot_download(repo_id=repo, allow_patterns=patterns))
+    except Exception as exc:  # huggingface_hub raises many kinds: offline, 404, connection, auth
+        raise HubUnreachableError(
+            f"Could not get fuser {repo}{':' + subfolder if subfolder else ''} from the Hugging Face hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
+            "Without hub access, download the fuser folder elsewhere and pass --fuser /path/to/folder "
+            "(the folder holding config.json and final/).",
+        ) from None
+    path = root / subfolder if subfolder else root
+    if not path.is_dir():
+        raise CheckpointError(f"Hub repo {repo} has no folder {subfolder!r}.", "Check the folder name (case matters).")
+    return path

@@ -1,0 +1,83 @@
+"""A complete fuser: one projector per receiver layer, the layer map, and
+the alignment settings, for one (receiver, sharer) pair."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from cachegraft_cli.fuser.layermap import LayerMap, last_aligned
+from cachegraft_cli.fuser.projector import C2CProjector, ProjectorArgs
+from cachegraft_cli.kvcache import Geometry, PlainKV
+
+
+@dataclass
+class FuserSpec:
+    receiver: str
+    sharer: str
+    layer_map: LayerMap
+    alignment: bool = False
+    alignment_strategy: str = "first"
+    extra: dict = field(default_factory=dict)  # recipe fields kept for round trips
+
+
+class Fuser(nn.Module):
+    def __init__(self, spec: FuserSpec, projector_args: list[ProjectorArgs]):
+        super().__init__()
+        self.spec = spec
+        self.projectors = nn.ModuleList(C2CProjector(a) for a in projector_args)
+
+    @classmethod
+    def create(
+        cls, receiver: str, sharer: str, rgeo: Geometry, sgeo: Geometry, *, alignment: bool = False, **proj_kwargs
+    ) -> "Fuser":
+        """A fresh fuser with the default last-aligned map (closed gates)."""
+        layer_map = last_aligned(rgeo.layers, sgeo.layers)
+        args = ProjectorArgs(sgeo.head_dim, rgeo.head_dim, sgeo.kv_heads, rgeo.kv_heads, **proj_kwargs)
+        spec = FuserSpec(receiver, sharer, layer_map, alignment=alignment)
+        return cls(spec, [ProjectorArgs(**args.as_dict()) for _ in range(rgeo.layers)])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projectors[0].key_gate_logit.dtype
+
+    def fuse(self, receiver_kv: PlainKV, sharer_kv: PlainKV) -> PlainKV:
+        """Fused receiver KV for the same tokens (batched tensors)."""
+        out = []
+        for t, (k, v) in enumerate(receiver_kv):
+            for s, p in self.spec.layer_map.get(t, []):
+                projector = self.projectors[p]
+                if projector.training or any(projector.gates().values()):  # a closed projector adds exactly 0
+                    k, v = self._apply(projector, (k, v), sharer_kv[s])
+            out.append((k, v))
+        return out
+
+    def _apply(self, projector: C2CProjector, target, source):
+        dtype = target[0].dtype
+        cast = lambda pair: tuple(x.to(self.dtype) for x in pair)  # noqa: E731
+        k, v = projector(cast(source), cast(target))
+        return k.to(dtype), v.to(dtype)
+
+    def set_gates(self, logit: float) -> None:
+        """Set every gate logit (positive opens, as a trained gate would)."""
+        with torch.no_grad():
+            for p in self.projectors:
+                p.key_gate_logit.fill_(logit)
+                p.value_gate_logit.fill_(logit)
+
+    def gate_states(self) -> list[dict]:
+        return [
+            {"projector": i, **p.gates(), "key_logit": float(p.key_gate_logit), "value_logit": float(p.value_gate_logit)}
+            for i, p in enumerate(self.projectors)
+        ]
+
+    def fingerprint(self) -> str:
+        """Content hash of the weights and the layer map: pins a fuser in store metadata."""
+        h = hashlib.sha256(repr(sorted(self.spec.layer_map.items())).encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().to(torch.float32).cpu().numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,161 @@
+"""The only module that touches transformers cache internals.
+
+Everything else sees a *plain KV*: a list with one `(K, V)` pair per layer.
+Batched tensors are `(batch, kv_heads, tokens, head_dim)`; a single passage
+drops the batch axis: `(kv_heads, tokens, head_dim)`. Keys are post-RoPE, as
+the model stores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+PlainKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def from_model_cache(cache) -> PlainKV:
+    """Plain batched KV from a transformers `DynamicCache` (or legacy tuple)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(k, v) for k, v in cache]
+
+
+def to_model_cache(kv: PlainKV, config=None):
+    """A fresh `DynamicCache` holding copies-free references to batched `kv`."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=[(k, v) for k, v in kv], config=config)
+
+
+def num_tokens(kv: PlainKV) -> int:
+    return kv[0][0].shape[-2]
+
+
+def batched(kv: PlainKV) -> PlainKV:
+    """Add a batch axis of 1 to a single-passage KV."""
+    return [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
+
+
+def unbatched(kv: PlainKV, index: int = 0) -> PlainKV:
+    return [(k[index], v[index]) for k, v in kv]
+
+
+def expand_batch(kv: PlainKV, batch: int) -> PlainKV:
+    """Repeat a batch-1 KV `batch` times (contiguous: the model appends to it)."""
+    return [(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous()) for k, v in kv]
+
+
+def slice_tokens(kv: PlainKV, start: int, end: int) -> PlainKV:
+    return [(k[..., start:end, :], v[..., start:end, :]) for k, v in kv]
+
+
+def concat_tokens(parts: Sequence[PlainKV]) -> PlainKV:
+    """Concatenate KVs along the token axis (all batched or all single)."""
+    layers = len(parts[0])
+    return [
+        (torch.cat([p[i][0] for p in parts], dim=-2), torch.cat([p[i][1] for p in parts], dim=-2))
+        for i in range(layers)
+    ]
+
+
+def cast(kv: PlainKV, dtype: torch.dtype, device=None) -> PlainKV:
+    return [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in kv]
+
+
+def to_token_major(kv: PlainKV) -> np.ndarray:
+    """Single-passage KV -> float32 `(tokens, layers, 2, kv_heads, head_dim)` (the store layout)."""
+    stacked = torch.stack([torch.stack([k, v]) for k, v in kv])  # (L, 2, H, T, D)
+    return stacked.permute(3, 0, 1, 2, 4).to(torch.float32).cpu().numpy()
+
+
+def from_token_major(array: np.ndarray, dtype: torch.dtype = torch.float32, device=None) -> PlainKV:
+    """Inverse of `to_token_major`: single-passage plain KV."""
+    t = torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    t = t.permute(1, 2, 3, 0, 4)  # (L, 2, H, T, D)
+    return [(t[i, 0].contiguous(), t[i, 1].contiguous()) for i in range(t.shape[0])]
+
+
+@dataclass
+class Geometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def as_dict(self) -> dict:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+
+
+def model_geometry(config) -> Geometry:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return Geometry(text.num_hidden_layers, kv_heads, head_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class KeyRotator:
+    """Re-rotates post-RoPE keys by a position offset with the model's own RoPE.
+
+    RoPE rotations compose: R(p + d) = R(d) R(p), so a key stored at position p
+    becomes the key at p + d by one more rotation of angle d * inv_freq. Any
+    attention scaling of the rope type (e.g. YaRN) is already inside the stored
+    key and is not applied again. Models with several rope kinds (per layer
+    type) get one inverse-frequency table per layer.
+    """
+
+    def __init__(self, inv_freqs: Sequence[torch.Tensor]):
+        self.inv_freqs = [f.detach().to(torch.float64) for f in inv_freqs]
+
+    @classmethod
+    def for_model(cls, model) -> "KeyRotator":
+        base = getattr(model, "model", model)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{type(model).__name__} has no rotary embedding: keys cannot be re-rotated")
+        layers = model_geometry(model.config).layers
+        if hasattr(rotary, "inv_freq"):
+            return cls([rotary.inv_freq] * layers)
+        return cls(_per_layer_type_inv_freq(model, rotary, layers))
+
+    def rotate(self, kv: PlainKV, offset: int) -> PlainKV:
+        """Keys moved by `offset` positions; values untouched."""
+        if offset == 0:
+            return kv
+        return [(self._rotate_keys(k, offset, i), v) for i, (k, v) in enumerate(kv)]
+
+    def _rotate_keys(self, keys: torch.Tensor, offset: int, layer: int) -> torch.Tensor:
+        inv = self.inv_freqs[layer]
+        rot_dim = 2 * inv.shape[0]  # partial rotary models rotate only the first dims
+        angles = torch.cat([offset * inv, offset * inv])
+        cos = angles.cos().to(keys.device)
+        sin = angles.sin().to(keys.device)
+        head = keys[..., :rot_dim].to(torch.float64)
+        rotated = (head * cos + _rotate_half(head) * sin).to(keys.dtype)
+        if rot_dim == keys.shape[-1]:
+            return rotated
+        return torch.cat([rotated, keys[..., rot_dim:]], dim=-1)
+
+
+def _per_layer_type_inv_freq(model, rotary, layers: int) -> list[torch.Tensor]:
+    """Models like Gemma 3 keep one inv_freq buffer per attention layer type."""
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    if not types:
+        raise ValueError(f"cannot find RoPE frequencies of {type(model).__name__}")
+    return [getattr(rotary, f"{t}_inv_freq") for t in types[:layers]]
+
+
+def write_tokens(cache, kv: PlainKV, start: int) -> None:
+    """Overwrite a model cache's slots [start, start + n) in place with batched `kv`."""
+    n = num_tokens(kv)
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.keys[..., start : start + n, :] = k
+        layer.values[..., start : start + n, :] = v

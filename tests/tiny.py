@@ -1,0 +1,98 @@
+"""Tiny random-weight models and tokenizers, built offline from configs.
+
+Two tokenizers (byte-level BPEs trained on different text with different
+vocabulary sizes and special tokens) and three model shapes:
+- receiver: Qwen2, 4 layers, 2 KV heads x 16
+- sharer_same: Qwen3, 6 layers, 3 KV heads x 32, the receiver's tokenizer
+- sharer_other: Llama, 3 layers, 1 KV head x 12, its own tokenizer
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Harbor town was founded in 1820 by fishermen who built the first lighthouse.",
+    "Question: who built the lighthouse? Answer: the fishermen of Harbor town.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    "The treaty was signed in Vienna after long talks between the two empires.",
+    "Numbers like 1234, 56.7 and 8% appear in reports; émigré café naïve über.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(path: Path, kind: str):
+    """kind 'a': Qwen-like specials + chat template; kind 'b': Llama-like <s>/</s>/<unk>, no template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "a":
+        specials, vocab, text = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 320, _TRAIN_TEXT
+    else:
+        specials, vocab, text = ["<unk>", "<s>", "</s>"], 420, [t.upper() + " " + t for t in _TRAIN_TEXT[:6]] * 10
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if kind == "b" else None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(text, trainer)
+    if kind == "a":
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        fast.chat_template = CHAT_TEMPLATE
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: Path, shape: str, vocab_size: int, seed: int = 0):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, max_position_embeddings=512, tie_word_embeddings=False)
+    configs = {
+        "receiver": lambda: Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, **common),
+        "sharer_same": lambda: Qwen3Config(
+            hidden_size=96, intermediate_size=160, num_hidden_layers=6, num_attention_heads=6,
+            num_key_value_heads=3, head_dim=32, rope_theta=1000000.0, **common),
+        "sharer_other": lambda: LlamaConfig(
+            hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, **common),
+    }
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(configs[shape]())
+    _scale_up(model)
+    model.save_pretrained(path)
+    return model
+
+
+def _scale_up(model) -> None:
+    """Random init with std 0.02 gives near-uniform logits; larger weights make
+    argmax decisions (and so token-level comparisons) meaningful."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+
+
+def build_all(root: Path) -> dict[str, Path]:
+    """Build tokenizers and models under root; returns model dirs by role."""
+    dirs = {}
+    tok_a = build_tokenizer(root / "tok_a", "a")
+    tok_b = build_tokenizer(root / "tok_b", "b")
+    for role, tok, seed in (("receiver", tok_a, 1), ("sharer_same", tok_a, 2), ("sharer_other", tok_b, 3)):
+        d = root / role
+        build_model(d, role, len(tok), seed)
+        tok.save_pretrained(d)
+        dirs[role] = d
+    return dirs
