@@ -207,13 +207,24 @@ class _Dense:
         n = max([*rows, -1]) + 1
         if self.matrix is None:
             self.matrix = np.zeros((0, vectors.shape[1]), dtype=np.float32)
+        self._check_dim(vectors)
         if n > len(self.matrix):
             pad = np.zeros((n - len(self.matrix), self.matrix.shape[1]), dtype=np.float32)
             self.matrix = np.concatenate([self.matrix, pad])
         self.matrix[rows] = vectors
 
     def scores_many(self, queries: list[str]) -> np.ndarray:
-        return self._encode(queries, query=True) @ self.matrix.T
+        vectors = self._encode(queries, query=True)
+        self._check_dim(vectors)
+        return vectors @ self.matrix.T
+
+    def _check_dim(self, vectors: np.ndarray) -> None:
+        if vectors.shape[1] != self.matrix.shape[1]:
+            raise RetrievalIndexError(
+                f"embedding model {self.embedder!r} gives {vectors.shape[1]}-dim vectors, "
+                f"the index holds {self.matrix.shape[1]}-dim ones",
+                "Use the model the index was built with, or rebuild the index.",
+            )
 
     def _encode(self, texts: list[str], query: bool) -> np.ndarray:
         model = self.model()
