@@ -1,0 +1,353 @@
+"""QA benchmarks: SQuAD JSON, JSONL (FlashRAG style) and Hugging Face datasets.
+
+A benchmark is its sampled questions plus its corpus. The corpus is, by
+default, every paragraph of the articles the sampled questions come from
+(`corpus="articles"`), or the whole set (`corpus="full"`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachegraft_cli.errors import DatasetError, HubUnreachableError, UsageError
+
+CORPUS_MODES = ("articles", "full")
+HF_COLUMNS = ("id", "question", "answers", "context", "title", "gold_ids")
+
+
+@dataclass(frozen=True)
+class QAExample:
+    id: str
+    question: str
+    answers: list[str]
+    gold_ids: list[str] = field(default_factory=list)
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class CorpusPassage:
+    id: str
+    title: str
+    text: str
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "title": self.title, "text": self.text}
+
+
+@dataclass
+class Benchmark:
+    name: str
+    questions: list[QAExample]
+    passages: list[CorpusPassage]
+
+    def passage_dicts(self) -> list[dict]:
+        return [p.to_dict() for p in self.passages]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where a benchmark comes from. `kind` is squad, jsonl or hf."""
+
+    name: str
+    source: str
+    kind: str
+    split: str = "validation"
+    config: str | None = None
+    columns: dict = field(default_factory=dict)
+    corpus_path: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "source": self.source, "kind": self.kind, "split": self.split,
+            "config": self.config, "columns": dict(self.columns), "corpus_path": self.corpus_path,
+        }
+
+
+def slugify(title: str) -> str:
+    """Lowercase, runs of non-alphanumerics -> '-' (as the corpus reader does)."""
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "untitled"
+
+
+def squad_passage_id(title: str, index: int, occurrence: int = 1) -> str:
+    """Stable id of paragraph `index` (0-based) of the article `title`.
+
+    `occurrence` > 1 marks a later article whose title slug was already used
+    in the same file (`<slug>~2/...`), matching `corpus.py`.
+    """
+    slug = slugify(title)
+    return f"{slug if occurrence == 1 else f'{slug}~{occurrence}'}/{index}"
+
+
+def _context_id(context: str) -> str:
+    return "ctx-" + hashlib.sha1(context.encode("utf-8")).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- spec parsing
+
+
+def parse_dataset_spec(text: str) -> DatasetSpec:
+    """Parse `[name=]path.json|path.jsonl` or `[name=]hf:DATASET[#CONFIG][:SPLIT][?col=field&...]`.
+
+    Column mapping keys: id, question, answers, context, title, gold_ids; a
+    field may be dotted (`answers.text`). For JSONL `?corpus=PATH` names a
+    separate passage file (JSONL with id, title, text or FlashRAG `contents`).
+    """
+    name, _, body = text.partition("=") if _has_name(text) else ("", "", text)
+    body, _, query = body.partition("?")
+    options = _parse_query(query, text)
+    corpus_path = options.pop("corpus", None)
+    if body.startswith("hf:"):
+        return _hf_spec(name, body[3:], options, corpus_path)
+    if options:
+        raise UsageError(f"Column mapping is only for hf: datasets: {text!r}.")
+    kind = "jsonl" if body.endswith(".jsonl") else "squad"
+    return DatasetSpec(name or Path(body).stem, body, kind, corpus_path=corpus_path)
+
+
+def _has_name(text: str) -> bool:
+    head = text.split("?", 1)[0]
+    return "=" in head and not head.startswith("hf:")
+
+
+def _parse_query(query: str, text: str) -> dict:
+    options = {}
+    for part in filter(None, query.split("&")):
+        key, sep, value = part.partition("=")
+        if not sep or (key not in HF_COLUMNS and key != "corpus"):
+            raise UsageError(f"Bad dataset option {part!r} in {text!r}.",
+                             f"Use key=value with keys {', '.join(HF_COLUMNS)} or corpus.")
+        options[key] = value
+    return options
+
+
+def _hf_spec(name: str, body: str, columns: dict, corpus_path: str | None) -> DatasetSpec:
+    split = "validation"
+    head, sep, tail = body.rpartition(":")
+    if sep and "/" not in tail:
+        body, split = head, tail
+    dataset, _, config = body.partition("#")
+    default_name = slugify(Path(dataset).name)
+    return DatasetSpec(name or default_name, dataset, "hf", split, config or None, columns, corpus_path)
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise DatasetError(f"Dataset file not found: {path}.") from None
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path} is not valid JSON: {exc}.") from None
+
+
+def read_squad(path: str) -> tuple[list[QAExample], list[CorpusPassage]]:
+    data = _read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise DatasetError(f"{path} is not SQuAD format (no top-level 'data' list).")
+    questions, passages, slugs = [], [], Counter()
+    for article in data["data"]:
+        raw_title = str(article.get("title", ""))
+        slugs[slugify(raw_title)] += 1
+        title = raw_title.replace("_", " ")  # display title, as the corpus reader gives it
+        for index, paragraph in enumerate(article.get("paragraphs", [])):
+            pid = squad_passage_id(raw_title, index, slugs[slugify(raw_title)])
+            passages.append(CorpusPassage(pid, title, paragraph["context"].strip()))
+            questions += [_squad_question(qa, pid, title) for qa in paragraph.get("qas", [])]
+    return questions, passages
+
+
+def _squad_question(qa: dict, pid: str, title: str) -> QAExample:
+    answers = [a["text"] for a in qa.get("answers", [])]
+    return QAExample(str(qa["id"]), qa["question"], answers, [pid], title)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, 1):
+                if line.strip():
+                    rows.append(_json_line(line, path, line_no))
+    except FileNotFoundError:
+        raise DatasetError(f"Dataset file not found: {path}.") from None
+    return rows
+
+
+def _json_line(line: str, path: str, line_no: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}:{line_no}: invalid JSON ({exc.msg}).") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{path}:{line_no}: expected a JSON object.")
+    return row
+
+
+def _as_answers(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict) and "text" in value:
+        return _as_answers(value["text"])
+    return [a["text"] if isinstance(a, dict) else str(a) for a in value]
+
+
+def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], list[CorpusPassage]]:
+    """Rows with id, question, answers and optional context, title, gold_ids."""
+    questions, passages, seen, per_title = [], [], {}, {}
+    for n, row in enumerate(rows):
+        if not row.get("question") or row.get("answers") is None:
+            raise DatasetError(f"{where}: row {n + 1} lacks 'question' or 'answers'.")
+        title = str(row.get("title") or "")
+        gold = [str(g) for g in (row.get("gold_ids") or [])]
+        context = row.get("context")
+        if context:
+            pid = seen.get((title, context)) or _new_context_id(title, context, gold, per_title)
+            if (title, context) not in seen:
+                seen[(title, context)] = pid
+                passages.append(CorpusPassage(pid, title, context))
+            gold = gold or [pid]
+        qid = str(row.get("id", n))
+        questions.append(QAExample(qid, str(row["question"]), _as_answers(row["answers"]), gold, title))
+    return questions, passages
+
+
+def _new_context_id(title: str, context: str, gold: list[str], per_title: dict) -> str:
+    """Given gold id, else the SQuAD convention within a title, else a content hash."""
+    if gold:
+        return gold[0]
+    if not title:
+        return _context_id(context)
+    index = per_title.get(title, 0)
+    per_title[title] = index + 1
+    return squad_passage_id(title, index)
+
+
+def read_corpus_jsonl(path: str) -> list[CorpusPassage]:
+    passages = []
+    for n, row in enumerate(_read_jsonl(path)):
+        if "id" not in row or not (row.get("text") or row.get("contents")):
+            raise DatasetError(f"{path}: passage {n + 1} lacks 'id' or 'text'/'contents'.")
+        title, text = row.get("title", ""), row.get("text")
+        if text is None:  # FlashRAG: contents = '"title"\ntext'
+            first, _, rest = row["contents"].partition("\n")
+            title, text = (first.strip('"'), rest) if rest else (title, first)
+        passages.append(CorpusPassage(str(row["id"]), str(title or ""), text))
+    return passages
+
+
+def _get_path(row: dict, dotted: str):
+    value = row
+    for key in dotted.split("."):
+        if isinstance(value, list):
+            value = [v[key] for v in value]
+        elif isinstance(value, dict) and key in value:
+            value = value[key]
+        else:
+            raise DatasetError(f"Column {dotted!r} not found in dataset row (keys: {sorted(row)}).")
+    return value
+
+
+def map_columns(row: dict, columns: dict) -> dict:
+    out = {}
+    for key in HF_COLUMNS:
+        source = columns.get(key, key)
+        if key in columns or _has_top(row, source):
+            out[key] = _get_path(row, source)
+    return out
+
+
+def _has_top(row: dict, source: str) -> bool:
+    return source.split(".")[0] in row
+
+
+def load_hf_rows(spec: DatasetSpec) -> list[dict]:
+    dataset = _load_hf(spec)
+    return [map_columns(dict(row), spec.columns) for row in dataset]
+
+
+def _load_hf(spec: DatasetSpec):
+    import datasets  # lazy: heavy
+
+    local = Path(spec.source)
+    try:
+        if local.is_dir() and _is_saved_dataset(local):
+            loaded = datasets.load_from_disk(str(local))
+            return loaded[spec.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(spec.source, spec.config, split=spec.split)
+    except (ConnectionError, OSError) as exc:
+        if local.exists():
+            raise DatasetError(f"Could not read dataset {spec.source}: {exc}.") from None
+        raise HubUnreachableError(f"Could not load dataset {spec.source!r}: {exc}.",
+                                  "Check the name and your connection, or point at a local copy.") from None
+    except (KeyError, ValueError) as exc:
+        raise DatasetError(f"Could not load split {spec.split!r} of {spec.source}: {exc}.") from None
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+
+
+def read_dataset(spec: DatasetSpec) -> tuple[list[QAExample], list[CorpusPassage]]:
+    if spec.kind == "squad":
+        questions, passages = read_squad(spec.source)
+    elif spec.kind == "jsonl":
+        questions, passages = rows_to_examples(_read_jsonl(spec.source), spec.source)
+    elif spec.kind == "hf":
+        questions, passages = rows_to_examples(load_hf_rows(spec), spec.source)
+    else:
+        raise UsageError(f"Unknown dataset kind {spec.kind!r}.")
+    if spec.corpus_path:
+        passages = _merge_corpus(passages, read_corpus_jsonl(spec.corpus_path))
+    if not questions:
+        raise DatasetError(f"No questions in {spec.source}.")
+    return questions, passages
+
+
+def _merge_corpus(own: list[CorpusPassage], extra: list[CorpusPassage]) -> list[CorpusPassage]:
+    ids = {p.id for p in extra}
+    return extra + [p for p in own if p.id not in ids]
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def sample_questions(questions: list[QAExample], limit: int | None, seed: int) -> list[QAExample]:
+    """A seeded sample of `limit` questions, kept in dataset order."""
+    if limit is None or limit >= len(questions):
+        return list(questions)
+    chosen = sorted(random.Random(seed).sample(range(len(questions)), limit))
+    return [questions[i] for i in chosen]
+
+
+def select_corpus(questions: list[QAExample], passages: list[CorpusPassage], mode: str) -> list[CorpusPassage]:
+    """`full`: every passage. `articles`: the passages of the articles holding a gold passage.
+
+    Falls back to the full corpus when a question has no gold passage (its
+    article is unknown). Untitled passages are their own article.
+    """
+    if mode not in CORPUS_MODES:
+        raise UsageError(f"Unknown corpus mode {mode!r}.", f"Use one of {', '.join(CORPUS_MODES)}.")
+    if mode == "full" or any(not q.gold_ids for q in questions):
+        return list(passages)
+    gold = {g for q in questions for g in q.gold_ids}
+    titles = {p.title for p in passages if p.id in gold and p.title}
+    return [p for p in passages if p.id in gold or (p.title and p.title in titles)]
+
+
+def load_benchmark(spec: DatasetSpec | str, limit: int | None = None, seed: int = 0,
+                   corpus: str = "articles") -> Benchmark:
+    spec = parse_dataset_spec(spec) if isinstance(spec, str) else spec
+    questions, passages = read_dataset(spec)
+    sampled = sample_questions(questions, limit, seed)
+    return Benchmark(spec.name, sampled, select_corpus(sampled, passages, corpus))
