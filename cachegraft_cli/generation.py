@@ -62,7 +62,8 @@ def generate(
     retrieval and cache loading too.
     """
     config = config or GenerationConfig()
-    t0 = started if started is not None else time.perf_counter()
+    t_call = time.perf_counter()
+    t0 = started if started is not None else t_call
     cache = kvcache.to_model_cache(past, lm.model.config) if past else None
     step = _Stepper(lm, cache, start_position)
     logits = step(input_ids)
@@ -80,7 +81,7 @@ def generate(
         logits = step([token])
     t_end = time.perf_counter()
     text = lm.tokenizer.decode(out, skip_special_tokens=True).strip()
-    timings = {"prefill": t_prefill - t0, "first_token": (t_first or t_end) - t0, "total": t_end - t0}
+    timings = {"prefill": t_prefill - t_call, "first_token": (t_first or t_end) - t0, "total": t_end - t0}
     return Generation(out, text, len(input_ids), timings)
 
 

@@ -102,6 +102,7 @@ def load_causal_lm(
 ) -> LoadedModel:
     """Load a model and tokenizer in eval mode on the chosen device and dtype."""
     source, gguf, kind = resolve_source(spec)
+    _quiet_transformers()
     device = pick_device(device)
     torch_dtype = pick_dtype(device, dtype)
     kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
@@ -111,6 +112,13 @@ def load_causal_lm(
     model = _load(lambda: _auto_model(source, torch_dtype, kwargs), spec, kind)
     model.to(device).eval()
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
+
+
+def _quiet_transformers() -> None:
+    """Weight-loading progress bars would clutter stderr on every command."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 def _auto_tokenizer(source: str, kwargs: dict):

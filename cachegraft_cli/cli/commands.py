@@ -8,6 +8,10 @@ import typer
 
 # (module under cachegraft_cli.cli, attribute, kind): kind "cmd" is a function, "group" a Typer app.
 _COMMANDS = [
+    ("encode_cmd", "encode", "cmd"),
+    ("index_cmd", "index", "cmd"),
+    ("ask_cmd", "ask", "cmd"),
+    ("store_cmd", "store_app", "group"),
     ("models_cmd", "models_app", "group"),
 ]
 

@@ -25,3 +25,6 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Passages or questions per forward pass.")]
 TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
+InstructionOpt = Annotated[
+    Optional[str], typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store).")
+]

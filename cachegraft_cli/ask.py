@@ -1,0 +1,173 @@
+"""Answer questions from a store: retrieve -> load caches -> assemble -> generate.
+
+Systems (DESIGN.md section 6), all with the same template and ids:
+- graft: the receiver with fused passage caches (no sharer is loaded);
+- cache: the receiver with its own stored passage caches (`encode --also-own-cache`);
+- text: the receiver with the passages pasted as text;
+- closed: the receiver with no passages;
+- sharer-text: the sharer with the passages as text (reference ceiling).
+
+Position schemes for stored caches: `rotate` places passages one after another
+and re-rotates each key block by its offset; `shared` keeps every passage at
+its canonical positions and starts the question after the longest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+from cachegraft_cli.errors import NoPassagesError, UsageError
+from cachegraft_cli.generation import GenerationConfig
+
+SYSTEMS = ("graft", "cache", "text", "closed", "sharer-text")
+SCHEMES = ("rotate", "shared")
+DEFAULT_SCHEME = "rotate"
+CACHE_KIND = {"graft": "fused", "cache": "own"}
+
+
+@dataclass
+class AskOptions:
+    system: str = "graft"
+    k: int = 3
+    scheme: str = DEFAULT_SCHEME
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def check(self) -> None:
+        if self.system not in SYSTEMS:
+            raise UsageError(f"Unknown system {self.system!r}.", f"Choose one of: {', '.join(SYSTEMS)}.")
+        if self.scheme not in SCHEMES:
+            raise UsageError(f"Unknown position scheme {self.scheme!r}.", f"Choose one of: {', '.join(SCHEMES)}.")
+
+
+class Asker:
+    """Holds the store, the index and the models across questions (load once)."""
+
+    def __init__(self, store_url: str, overrides=None, index_kind: str | None = None):
+        from cachegraft_cli.session import session_for_store
+        from cachegraft_cli.store import CacheStore
+
+        self.store = CacheStore.open(store_url)
+        self.store_url = store_url
+        if len(self.store) == 0:
+            raise NoPassagesError(f"Store {store_url} has no passages.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+        self.session = session_for_store(self.store, overrides)
+        self.index_kind = index_kind
+
+    @cached_property
+    def index(self):
+        from cachegraft_cli.indexing import open_index
+
+        return open_index(self.store, self.store_url, self.index_kind)
+
+    @cached_property
+    def receiver(self):
+        from cachegraft_cli.session import check_receiver
+
+        check_receiver(self.store, self.session)
+        return self.session.receiver
+
+    @cached_property
+    def _prefix(self):
+        from cachegraft_cli import kvcache
+
+        r = self.receiver
+        return kvcache.from_token_major(self.store.prefix(), r.dtype, r.device)
+
+    @cached_property
+    def _rotator(self):
+        from cachegraft_cli.kvcache import KeyRotator
+
+        return KeyRotator.for_model(self.receiver.model)
+
+    def warm(self, system: str) -> None:
+        """Load the index and the models a system needs, so timings cover answering only."""
+        if system != "closed":
+            self.index
+        if system == "sharer-text":
+            self.session.sharer
+        else:
+            self.receiver
+        if system in CACHE_KIND:
+            self._prefix, self._rotator
+
+    def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
+        options.check()
+        if not question.strip():
+            raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
+        t0 = time.perf_counter()
+        hits = self.retrieve(question, options.k) if options.system != "closed" else []
+        t_retrieve = time.perf_counter()
+        gen, t_load = self._generate(question, hits, options, on_text, t0)
+        timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
+        return _result(question, gen, hits, self.store.get_rows([h.id for h in hits]), options, timings)
+
+    def retrieve(self, question: str, k: int):
+        hits = self.index.search(question, k)
+        if not hits:
+            raise NoPassagesError(
+                f"No passage matched the question {question!r}.",
+                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind dense`).",
+            )
+        return hits
+
+    def _generate(self, question, hits, options: AskOptions, on_text, t0):
+        from cachegraft_cli.generation import generate
+
+        rows = self.store.get_rows([h.id for h in hits])
+        if options.system in CACHE_KIND:
+            past, start = self._assemble([h.id for h in hits], CACHE_KIND[options.system], options.scheme)
+            t_load = time.perf_counter()
+            ids = self.session.template.question_ids(question)
+            return generate(self.receiver, past, ids, start, options.generation, on_text, t0), t_load
+        lm, template = self._text_model(options.system)
+        ids = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
+        ids += template.question_ids(question)
+        t_load = time.perf_counter()
+        return generate(lm, None, ids, 0, options.generation, on_text, t0), t_load
+
+    def _text_model(self, system: str):
+        if system == "sharer-text":
+            from cachegraft_cli.template import PromptTemplate
+
+            sharer = self.session.sharer
+            return sharer, PromptTemplate.for_tokenizer(sharer.tokenizer, self.session.choice.instruction)
+        return self.receiver, self.session.template
+
+    def _assemble(self, ids: list[str], kind: str, scheme: str):
+        """Batched past KV (prefix + passages) and the question's first position."""
+        from cachegraft_cli import kvcache
+
+        if kind not in self.store.kinds:
+            raise UsageError(
+                f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
+                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` system.",
+            )
+        r = self.receiver
+        arrays = self.store.read(ids, kind=kind)
+        base = kvcache.num_tokens(self._prefix)
+        parts, position = [self._prefix], base
+        for array in arrays:
+            kv = kvcache.from_token_major(array, r.dtype, r.device)
+            if scheme == "rotate":
+                kv = self._rotator.rotate(kv, position - base)
+                position += len(array)
+            parts.append(kv)
+        if scheme == "shared":
+            position = base + max(len(a) for a in arrays)
+        return kvcache.batched(kvcache.concat_tokens(parts)), position
+
+
+def _result(question: str, gen, hits, rows, options: AskOptions, timings: dict) -> dict:
+    return {
+        "question": question,
+        "answer": gen.text,
+        "passages": [{"id": h.id, "title": row.title, "score": round(float(h.score), 4)} for h, row in zip(hits, rows)],
+        "system": options.system,
+        "k": options.k,
+        "scheme": options.scheme if options.system in CACHE_KIND else None,
+        "timings": {k: round(v, 4) for k, v in timings.items()},
+        "tokens": {"prompt": gen.prompt_tokens, "generated": len(gen.token_ids)},
+    }

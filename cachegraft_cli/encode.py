@@ -1,0 +1,208 @@
+"""Corpus -> fused-cache store.
+
+Idempotent and resumable: a passage whose content hash is already in the store
+is skipped, and rows become visible only when their segment commits (every
+`commit_every` passages and at the end), so an interrupted run loses at most
+one uncommitted window and a re-run finishes the job without duplicates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.errors import CorpusError
+from cachegraft_cli.session import ModelSession
+
+
+@dataclass
+class EncodeOptions:
+    codec: str = "bf16"
+    batch_size: int = 8
+    max_passage_tokens: int = 512
+    also_own_cache: bool = False
+    commit_every: int = 2000
+
+
+@dataclass
+class EncodeSummary:
+    store: str
+    passages_read: int = 0
+    added: int = 0
+    skipped_existing: int = 0
+    skipped_bad: int = 0
+    chunks_split: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    bytes_per_token: float = 0.0
+    seconds: float = 0.0
+    segments: list[str] = field(default_factory=list)
+    skipped_reasons: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Chunk:
+    """One unit of encoding: a passage, or a piece of a long one."""
+
+    passage: Passage
+    text: str
+    ids: list[int]
+    block: str
+    index: int | None = None
+    span: tuple[int, int] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
+
+
+def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
+    """Token-aware split of a passage that does not fit `max_tokens` (never truncates).
+
+    Cuts fall on token boundaries, preferring whitespace; each chunk carries
+    the passage title and its character span in the original text.
+    """
+    text = passage.text.strip()
+    ids = template.passage_ids(passage.title, text)
+    if len(ids) <= max_tokens:
+        return [Chunk(passage, text, ids, template.passage_block(passage.title, text))]
+    overhead = len(template.passage_ids(passage.title, "")) + 2
+    budget = max(8, max_tokens - overhead)
+    chunks = []
+    for index, (a, b) in enumerate(_spans(text, template.tokenizer, budget)):
+        piece = text[a:b].strip()
+        chunks.append(Chunk(passage, piece, template.passage_ids(passage.title, piece),
+                            template.passage_block(passage.title, piece), index, (a, b)))
+    return chunks
+
+
+def _spans(text: str, tokenizer, budget: int) -> list[tuple[int, int]]:
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    spans, first = [], 0
+    while first < len(offsets):
+        last = min(first + budget, len(offsets)) - 1
+        cut = _whitespace_cut(text, offsets, first, last)
+        spans.append((offsets[first][0], offsets[cut][1]))
+        first = cut + 1
+    spans[-1] = (spans[-1][0], len(text))
+    return spans
+
+
+def _whitespace_cut(text: str, offsets, first: int, last: int) -> int:
+    """Index of the last token of this chunk: prefer one that ends before a space."""
+    if last == len(offsets) - 1:
+        return last
+    for i in range(last, first + (last - first) // 2, -1):
+        end = offsets[i][1]
+        if end < len(text) and text[end].isspace():
+            return i
+    return last
+
+
+def encode_corpus(
+    passages: Iterable[Passage],
+    store_url: str,
+    session: ModelSession,
+    options: EncodeOptions,
+    progress: Callable[[int, int], None] | None = None,
+    total: int | None = None,
+) -> EncodeSummary:
+    """Encode passages into the store at `store_url` (created if missing)."""
+    start = time.perf_counter()
+    store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
+    summary = EncodeSummary(store=store_url)
+    todo = _plan(passages, store, session.template, options, summary)
+    _write(todo, store, session, options, summary, progress)
+    summary.seconds = round(time.perf_counter() - start, 3)
+    summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
+    return summary
+
+
+def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+    """Read and check everything before writing anything; drop what is already stored."""
+    known = {row.id: row.content_hash for row in store.rows()}
+    todo: list[Chunk] = []
+    seen: set[str] = set()
+    for passage in passages:
+        summary.passages_read += 1
+        chunks = split_passage(passage, template, options.max_passage_tokens)
+        summary.chunks_split += len(chunks) - 1
+        for chunk in chunks:
+            digest = _hash(chunk)
+            _check_changed(chunk, known, digest)
+            if digest in seen or store.has_hash(digest):
+                summary.skipped_existing += 1
+                continue
+            seen.add(digest)
+            todo.append(chunk)
+    return todo
+
+
+def _hash(chunk: Chunk) -> str:
+    from cachegraft_cli.store import content_hash_of
+
+    return content_hash_of(chunk.block)
+
+
+def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
+    if chunk.id in known and known[chunk.id] != digest:
+        where = f"{chunk.passage.source}:{chunk.passage.line}" if chunk.passage.line else chunk.passage.source
+        raise CorpusError(
+            f"{where}: passage {chunk.id!r} is already in the store with different text.",
+            "Stores are append-only: give the changed passage a new id, or encode into a new --store.",
+        )
+
+
+def _write(todo: list[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress) -> None:
+    """Encode in commit windows; each window is one segment, visible once committed."""
+    for window_start in range(0, len(todo), options.commit_every):
+        window = todo[window_start : window_start + options.commit_every]
+        with store.writer({"tool": "cachegraft encode", "passages": len(window)}) as writer:
+            for batch in _batches(window, options.batch_size):
+                _encode_batch(batch, writer, session, options, summary)
+                if progress:
+                    progress(len(batch), sum(len(c.ids) for c in batch))
+            entry = writer.commit()
+        if entry:
+            summary.segments.append(entry["name"])
+            summary.bytes += sum(entry["bytes"].values())
+
+
+def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
+    ordered = sorted(chunks, key=lambda c: len(c.ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary) -> None:
+    from cachegraft_cli import kvcache
+
+    for chunk, kv in zip(batch, session.engine().fuse([c.ids for c in batch])):
+        caches = {"fused": kvcache.to_token_major(kv.fused)}
+        if options.also_own_cache:
+            caches["own"] = kvcache.to_token_major(kv.own)
+        writer.add(_row(chunk), caches)
+        summary.added += 1
+        summary.tokens += len(chunk.ids)
+
+
+def _row(chunk: Chunk):
+    from cachegraft_cli.store import PassageRow
+
+    p = chunk.passage
+    meta = dict(p.metadata)
+    if chunk.span is not None:
+        meta["char_span"] = list(chunk.span)
+    return PassageRow(
+        id=chunk.id,
+        title=p.title,
+        text=chunk.text,
+        content_hash=_hash(chunk),
+        metadata=meta,
+        parent_id=p.id if chunk.index is not None else None,
+        chunk_index=chunk.index,
+    )

@@ -1,0 +1,73 @@
+"""The retrieval index of a store: where it lives, building it, opening it.
+
+The index is kept in `<store>/index/` and records the fingerprint of the
+passage set it covers; an index that does not match the store is refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+from cachegraft_cli.errors import IndexMissingError, NoPassagesError
+
+
+def index_path(store_url: str) -> str:
+    return f"{str(store_url).rstrip('/')}/index"
+
+
+def store_docs(store):
+    from cachegraft_cli.retrieval import Doc
+
+    return [Doc(id=r.id, text=r.text, title=r.title, content_hash=r.content_hash) for r in store.rows()]
+
+
+def store_fingerprint(store) -> str:
+    from cachegraft_cli.retrieval import passage_fingerprint
+
+    return passage_fingerprint((r.id, r.content_hash) for r in store.rows())
+
+
+def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
+    """Build the index, or bring an existing one of the same kind up to date
+    (only passages added since are tokenised / embedded)."""
+    from cachegraft_cli.retrieval import build_index
+    from cachegraft_cli.store import CacheStore
+
+    t0 = time.perf_counter()
+    store = CacheStore.open(store_url)
+    docs = store_docs(store)
+    if not docs:
+        raise NoPassagesError(f"Store {store_url} has no passages to index.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+    index, added, mode = None, len(docs), "built"
+    if not rebuild:
+        index = _existing(store_url, kind, embedder)
+    if index is not None and set(index.ids) <= {d.id for d in docs}:
+        added, mode = index.add(docs), "updated"
+    else:
+        index = build_index(docs, kind, embedder)
+    index.save(index_path(store_url))
+    return {"store": store_url, "kind": index.kind, "embedder": index.embedder, "passages": len(index),
+            "added": added, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _existing(store_url: str, kind: str, embedder: str | None):
+    from cachegraft_cli.errors import RetrievalIndexError
+    from cachegraft_cli.retrieval import load_index
+
+    try:
+        index = load_index(index_path(store_url), embedder=embedder, store=store_url)
+    except IndexMissingError:
+        return None
+    except RetrievalIndexError:
+        return None  # unreadable or old: rebuild from scratch
+    same_model = embedder is None or index.embedder in (None, embedder)
+    return index if index.kind == kind and same_model else None
+
+
+def open_index(store, store_url: str, kind: str | None = None, embedder: str | None = None):
+    """The store's index, checked against the store's passages."""
+    from cachegraft_cli.retrieval import load_index
+
+    index = load_index(index_path(store_url), embedder=embedder, store=store_url)
+    index.check(store_fingerprint(store), len(store), store_url)
+    return index.view(kind) if kind and kind != index.kind else index
