@@ -88,7 +88,7 @@ def cohen_kappa(a: Sequence, b: Sequence) -> float:
     """Cohen's kappa of two raters' labels.
 
     When both raters give one and the same label throughout, kappa is 0/0;
-    this returns 1.0 for that perfect agreement (nan if they disagree somewhere).
+    this returns 1.0 for that perfect agreement.
     """
     _check_paired(a, b)
     n = len(a)
@@ -98,5 +98,5 @@ def cohen_kappa(a: Sequence, b: Sequence) -> float:
     observed = sum(x == y for x, y in zip(a, b)) / n
     expected = sum((list(a).count(c) / n) * (list(b).count(c) / n) for c in labels)
     if expected == 1.0:
-        return 1.0 if observed == 1.0 else float("nan")
+        return 1.0
     return (observed - expected) / (1.0 - expected)
