@@ -45,7 +45,8 @@ class AskOptions:
 class Asker:
     """Holds the store, the index and the models across questions (load once)."""
 
-    def __init__(self, store_url: str, overrides=None, index_kind: str | None = None):
+    def __init__(self, store_url: str, overrides=None, index_kind: str | None = None, session=None):
+        """`session` reuses already loaded models (checked against the store's receiver)."""
         from cachegraft_cli.session import session_for_store
         from cachegraft_cli.store import CacheStore
 
@@ -53,7 +54,7 @@ class Asker:
         self.store_url = store_url
         if len(self.store) == 0:
             raise NoPassagesError(f"Store {store_url} has no passages.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
-        self.session = session_for_store(self.store, overrides)
+        self.session = session or session_for_store(self.store, overrides)
         self.index_kind = index_kind
 
     @cached_property

@@ -11,6 +11,7 @@ _COMMANDS = [
     ("encode_cmd", "encode", "cmd"),
     ("index_cmd", "index", "cmd"),
     ("ask_cmd", "ask", "cmd"),
+    ("evaluate_cmd", "evaluate", "cmd"),
     ("store_cmd", "store_app", "group"),
     ("models_cmd", "models_app", "group"),
 ]

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, FuserOpt, JsonOpt, PresetOpt, ReceiverOpt, SharerOpt
+from cachegraft_cli.cli.output import emit_json
+
+
+def evaluate(
+    benchmark: Annotated[
+        list[str],
+        typer.Option("--benchmark", "-B", help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable."),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (re-run to resume).")],
+    systems: Annotated[str, typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter.")] = "graft,text,cache,closed",
+    ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
+    judge: Annotated[list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")] = [],
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Questions per benchmark (sampled with --seed).")] = None,
+    seed: Annotated[int, typer.Option(help="Sampling and bootstrap seed.")] = 0,
+    corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
+    pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
+    preset: PresetOpt = None,
+    receiver: ReceiverOpt = None,
+    sharer: SharerOpt = None,
+    fuser: FuserOpt = None,
+    adapter_fuser: Annotated[Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")] = None,
+    codec: Annotated[str, typer.Option(help="Store codec: bf16, int8 or int4.")] = "bf16",
+    scheme: Annotated[str, typer.Option(help="Position scheme: rotate or shared.")] = "rotate",
+    stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused.")] = Path("stores"),
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
+    from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
+    from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+    from cachegraft_cli.session import ModelChoice
+
+    choice = ModelChoice.resolve(preset, receiver, sharer, fuser)
+    system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
+                          max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
+    config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, pairwise,
+                       answerer_config=acfg.results_key())
+    summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
+    if json_out:
+        emit_json(summary)
+        return
+    for line in summary["headlines"].values():
+        typer.echo(line)
+    typer.echo(f"report: {out / 'report.md'}")
+
+
+def _ints(text: str) -> list[int]:
+    from cachegraft_cli.errors import UsageError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--k takes a comma list of integers, got {text!r}.", "Example: --k 1,3,5") from None

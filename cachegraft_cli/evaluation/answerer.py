@@ -1,0 +1,119 @@
+"""The evaluation's answerer: CacheGraft itself.
+
+Each benchmark's corpus is encoded once into a store per fuser under
+`stores_dir` (later runs reuse it: encode skips what is stored), indexed with
+BM25, and answered with `Asker`. `graft` reads the main fuser's store,
+`adapter` the adapter fuser's; `cache`, `text`, `closed` and `sharer-text`
+use the main store (its own-cache kind, its passages, its models).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cachegraft_cli.errors import UsageError
+
+
+@dataclass
+class AnswererConfig:
+    receiver: str
+    sharer: str | None
+    fuser: str | None
+    adapter_fuser: str | None = None
+    codec: str = "bf16"
+    scheme: str = "rotate"
+    index_kind: str = "bm25"
+    max_new_tokens: int = 32
+    encode_batch_size: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    stores_dir: str = "stores"
+    extra: dict = field(default_factory=dict)
+
+    def results_key(self) -> dict:
+        """What the answers depend on (saved with the run, checked on resume)."""
+        d = asdict(self)
+        d.pop("stores_dir")
+        d.pop("encode_batch_size")
+        return d
+
+
+class StoreAnswerer:
+    def __init__(self, config: AnswererConfig, systems: list[str]):
+        self.config = config
+        self.systems = systems
+        self._askers: dict[tuple[str, str], object] = {}
+        self._sessions: dict[str, object] = {}
+
+    def _fuser_for(self, system: str) -> str | None:
+        if system == "adapter":
+            if not self.config.adapter_fuser:
+                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with --sharer-input zero).")
+            return self.config.adapter_fuser
+        return self.config.fuser
+
+    def _store_url(self, bench: str, fuser: str | None) -> str:
+        key = json.dumps([self.config.receiver, self.config.sharer, fuser, self.config.codec], sort_keys=True)
+        return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+
+    def _session(self, fuser: str | None):
+        from cachegraft_cli.session import ModelChoice, ModelSession
+
+        key = fuser or "closed"
+        if key not in self._sessions:
+            c = self.config
+            self._sessions[key] = ModelSession(ModelChoice(c.receiver, c.sharer, fuser or "closed", c.device, c.dtype))
+        return self._sessions[key]
+
+    def prepare(self, benchmark_name: str, passages: list[dict]) -> None:
+        from cachegraft_cli.corpus import Passage
+        from cachegraft_cli.encode import EncodeOptions, encode_corpus
+        from cachegraft_cli.indexing import build_store_index
+
+        rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
+        own = "cache" in self.systems
+        for fuser in self._fusers():
+            url = self._store_url(benchmark_name, fuser)
+            options = EncodeOptions(self.config.codec, self.config.encode_batch_size, also_own_cache=own)
+            encode_corpus(rows, url, self._session(fuser), options)
+            build_store_index(url, self.config.index_kind)
+
+    def _fusers(self) -> list[str | None]:
+        fusers = [self.config.fuser]
+        if "adapter" in self.systems:
+            fusers.append(self._fuser_for("adapter"))
+        return fusers
+
+    def _asker(self, bench: str, system: str):
+        from cachegraft_cli.ask import Asker
+
+        fuser = self._fuser_for(system)
+        key = (bench, fuser or "closed")
+        if key not in self._askers:
+            self._askers[key] = Asker(self._store_url(bench, fuser), session=self._session(fuser))
+        return self._askers[key]
+
+    def answer(self, benchmark_name: str, questions, system: str, k: int) -> list[dict]:
+        from cachegraft_cli.ask import AskOptions
+        from cachegraft_cli.generation import GenerationConfig
+
+        asker = self._asker(benchmark_name, system)
+        ask_system = "graft" if system == "adapter" else system
+        options = AskOptions(ask_system, max(k, 1), self.config.scheme, GenerationConfig(self.config.max_new_tokens))
+        asker.warm(ask_system)
+        out = []
+        for q in questions:
+            before = asker.store.stats_bytes_read
+            result = asker.ask(q.question, options)
+            result["stats"] = {"bytes_read": asker.store.stats_bytes_read - before}
+            out.append(result)
+        return out
+
+    def close_models(self) -> None:
+        self._askers.clear()
+        self._sessions.clear()
+        gc.collect()
