@@ -168,6 +168,9 @@ def _detect_format(source: str, override: str | None) -> str:
     path = Path(source)
     if not path.exists():
         raise CorpusError(f"{source}: no such file or directory", "Check the corpus path.")
+    if override and (override == "dir") != path.is_dir():
+        kind = "a directory" if path.is_dir() else "a file"
+        raise CorpusError(f"{source}: is {kind}, which --format {override} cannot read", "Drop --format or fix it.")
     if override:
         return override
     if path.is_dir():

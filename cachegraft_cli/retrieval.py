@@ -17,6 +17,8 @@ score matrix, so loading needs no rebuild), `dense.npy`. Heavy modules are impor
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import re
@@ -235,8 +237,9 @@ class _Dense:
         return np.asarray(vectors, dtype=np.float32)
 
 
+@functools.lru_cache(maxsize=2)
 def load_embedder(name: str):
-    """A SentenceTransformer from a hub id or a local directory."""
+    """A SentenceTransformer from a hub id or a local directory (the last two are kept)."""
     try:
         from sentence_transformers import SentenceTransformer
 
@@ -300,7 +303,9 @@ class RetrievalIndex:
         if kind not in KINDS or (kind != "dense" and not self._bm25) or (kind != "bm25" and not self._dense):
             raise RetrievalIndexError(f"a {self.kind} index cannot be searched as {kind!r}",
                                       f"Rebuild it with --kind {kind}.")
-        return RetrievalIndex(kind, self._bm25, self._dense, self.ids, self.hashes)
+        view = copy.copy(self)
+        view.kind = kind
+        return view
 
     def check(self, fingerprint: str, n_passages: int | None = None, store: str = "DIR") -> None:
         """Refuse to serve a store whose passage set is not the one indexed."""

@@ -225,6 +225,7 @@ def test_squad_empty_context(tmp_path):
     ("nothing.jsonl", {}, "no such file or directory"),
     ("c.parquet", {}, "cannot tell the corpus format"),
     ("c.jsonl", {"format": "xml"}, "unknown corpus format 'xml'"),
+    ("c.jsonl", {"format": "dir"}, "is a file, which --format dir cannot read"),
 ])
 def test_source_errors_are_immediate(tmp_path, name, kwargs, fragment):
     if name != "nothing.jsonl":

@@ -224,10 +224,15 @@ needs_minilm = pytest.mark.skipif(not (EMBEDDER and Path(EMBEDDER).is_dir()),
                                   reason="CACHEGRAFT_TEST_EMBEDDER does not name a local model directory")
 
 
+@pytest.fixture(scope="module")
+def minilm_hybrid(docs):
+    return build_index(docs, "hybrid", embedder=EMBEDDER, stem=False, progress=False)
+
+
 @needs_minilm
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_real_embedder_finds_gold(docs, questions, kind):
-    index = build_index(docs, kind, embedder=EMBEDDER, stem=False, progress=False)
+def test_real_embedder_finds_gold(minilm_hybrid, questions, kind):
+    index = minilm_hybrid.view(kind)
     got = top_ids(index, [q["question"] for q in questions], k=3)
     found = sum(q["gold_ids"][0] in ids for q, ids in zip(questions, got))
     assert found == len(questions)
