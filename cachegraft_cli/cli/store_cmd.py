@@ -1,0 +1,128 @@
+"""`cachegraft store info|verify|unlock DIR`: inspect and check a cache store."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cachegraft_cli.cli.options import JsonOpt
+
+store_app = typer.Typer(name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True)
+
+DirArg = Annotated[str, typer.Argument(help="Store directory or fsspec URL (e.g. s3://bucket/store).", metavar="DIR")]
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _model(spec) -> str:
+    if not spec:
+        return "none"
+    if isinstance(spec, dict):
+        pin = spec.get("revision") or spec.get("sha256") or ""
+        return f"{spec.get('name', '?')}" + (f" @ {str(pin)[:12]}" if pin else "")
+    return str(spec)
+
+
+def _info_table(report: dict):
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    g = report["geometry"]
+    for role, spec in report["models"].items():
+        table.add_row(role, _model(spec))
+    table.add_row("geometry", f"{g['layers']} layers x {g['kv_heads']} kv heads x {g['head_dim']} head dim")
+    table.add_row("codec", f"{report['codec']} {report['codec_params'] or ''}".strip())
+    table.add_row("kinds", ", ".join(report["kinds"]))
+    table.add_row("passages", f"{report['passages']:,} ({report['rows']:,} rows)")
+    table.add_row("tokens", f"{report['tokens']:,} (+{report['prefix_tokens']} prefix)")
+    table.add_row("bytes", _fmt_bytes(report["bytes"]["total"]))
+    for kind, bpt in report["bytes_per_token"].items():
+        ratio = report["ratio_to_raw_bf16"][kind]
+        text = "-" if bpt is None else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
+        table.add_row(f"bytes/token {kind}", text)
+    table.add_row("segments", str(report["segments"]["count"]))
+    for seg in report["segments"]["list"]:
+        table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed {seg['committed']}")
+    if report["writer"]:
+        w = report["writer"]
+        table.add_row("writer", f"pid {w.get('pid')} on {w.get('host')} since {w.get('since')}")
+    return table
+
+
+@store_app.command("info")
+def info(store: DirArg, json: JsonOpt = False) -> None:
+    """Geometry, models, codec, passages, tokens, bytes and segments of a store."""
+    from cachegraft_cli.cli.output import emit_json, stdout_console
+    from cachegraft_cli.store import CacheStore
+
+    report = CacheStore.open(store).info()
+    if json:
+        emit_json(report)
+        return
+    console = stdout_console()
+    console.print(f"[bold]{report['url']}[/bold]")
+    console.print(_info_table(report))
+
+
+@store_app.command("verify")
+def verify(store: DirArg, json: JsonOpt = False) -> None:
+    """Check that every chunk decodes and every passage matches its checksums."""
+    from cachegraft_cli.cli.output import emit_json, log
+    from cachegraft_cli.errors import StoreCorruptError
+    from cachegraft_cli.store import CacheStore
+
+    cache_store = CacheStore.open(store)
+    report = cache_store.verify(progress=_progress())
+    if json:
+        emit_json(report)
+    else:
+        log(f"checked {report['rows']:,} rows, {report['tokens']:,} tokens in {report['segments']} segments")
+        for p in report["problems"]:
+            log(f"  segment {p['segment']}, passage {p['passage']!r}, {p['kind']}/{p['part']}: {p['problem']}")
+    if not report["ok"]:
+        first = report["problems"][0]
+        raise StoreCorruptError(
+            f"{len(report['problems'])} problem(s) in {report['url']}; first: passage {first['passage']!r} "
+            f"in segment {first['segment']}: {first['problem']}.",
+            hint="Re-encode the named passages into a new store (or restore the damaged segment from a backup).")
+    if not json:
+        typer.echo("ok")
+
+
+def _progress():
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        sys.stderr.write(f"\rverifying {done:,}/{total:,} tokens")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+@store_app.command("unlock")
+def unlock(
+    store: DirArg,
+    force: Annotated[bool, typer.Option("--force", help="Remove a lock held from another host.")] = False,
+) -> None:
+    """Remove a stale writer lock left by a dead writer (refused while the writer lives)."""
+    from cachegraft_cli.store.lock import unlock as do_unlock
+    from cachegraft_cli.store.location import Location
+    from cachegraft_cli.store.store import _read_meta
+
+    loc = Location.from_url(store)
+    _read_meta(loc)  # a missing store fails with its usual hint
+    typer.echo(do_unlock(loc, force=force))

@@ -1,0 +1,62 @@
+"""What produced a store's caches, and comparing that with what a caller expects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cachegraft_cli.errors import StoreMismatchError, UsageError
+from cachegraft_cli.store.codecs import get_codec
+from cachegraft_cli.store.layout import FORMAT_VERSION, IDENTITY_KEYS
+
+
+def normalise(identity: dict) -> dict:
+    """JSON round trip: tuples become lists, numpy ints plain ints, so equality is by value."""
+    return json.loads(json.dumps(identity, default=_plain))
+
+
+def _plain(obj: Any):
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"identity value {obj!r} is not JSON-serialisable")
+
+
+def validate(identity: dict) -> dict:
+    missing = [k for k in IDENTITY_KEYS if k not in identity]
+    if missing:
+        raise UsageError(f"store identity lacks {', '.join(missing)}.",
+                         hint=f"Pass all of: {', '.join(IDENTITY_KEYS)} (None where not applicable).")
+    ident = normalise({**identity, "format_version": identity.get("format_version", FORMAT_VERSION)})
+    geometry = ident["geometry"]
+    if not isinstance(geometry, dict) or not all(isinstance(geometry.get(k), int) and geometry[k] > 0
+                                                  for k in ("layers", "kv_heads", "head_dim")):
+        raise UsageError(f"store geometry must give positive ints layers, kv_heads, head_dim; got {geometry!r}.")
+    get_codec(ident["codec"], geometry)  # unknown codec or unfit geometry fails here
+    return ident
+
+
+def show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _first_difference(stored: Any, wanted: Any, path: str) -> str:
+    if isinstance(stored, dict) and isinstance(wanted, dict):
+        for key in sorted(set(stored) | set(wanted)):
+            if stored.get(key) != wanted.get(key):
+                return _first_difference(stored.get(key), wanted.get(key), f"{path}.{key}")
+    return path
+
+
+def check(url: str, stored: dict, expect: dict | None) -> None:
+    """Raise StoreMismatchError naming the first key where `expect` differs from the store."""
+    for key, wanted in normalise(expect or {}).items():
+        have = stored.get(key)
+        if have != wanted:
+            where = _first_difference(have, wanted, key)
+            raise StoreMismatchError(
+                f"store {url} was made with {key}={show(have)}, but {key}={show(wanted)} was requested"
+                + (f" (they differ at {where})." if where != key else "."),
+                hint=f"Use another --store, or the models and settings this store was made with "
+                f"(see `cachegraft store info {url}`).",
+            )

@@ -1,0 +1,91 @@
+"""Names of everything in a store, and the zarr arrays' chunking and codecs.
+
+    <store>/zarr.json                      root group; attributes["cachegraft"] = store meta
+    <store>/manifest.json                  committed segments, replaced atomically
+    <store>/writer.lock                    single-writer lock
+    <store>/prefix/                        float32 array: the shared-prefix cache
+    <store>/segments/<name>/<kind>/<part>  sharded arrays of one segment
+    <store>/segments/<name>/rows.json      passage index (columns)
+    <store>/segments/<name>/content.json   title, text, metadata (columns)
+    <store>/segments/<name>/commit.json    written last: the segment is complete
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+import uuid
+
+FORMAT_VERSION = 1
+ROOT_META = "zarr.json"
+MANIFEST = "manifest.json"
+LOCK = "writer.lock"
+PREFIX = "prefix"
+SEGMENTS = "segments"
+ROWS = "rows.json"
+CONTENT = "content.json"
+COMMIT = "commit.json"
+
+DEFAULT_CHUNK_TOKENS = 16
+SHARD_TARGET_BYTES = 64 * 2**20  # raw bf16 bytes per shard, before compression
+MAX_SHARD_TOKENS = 16384
+DEFAULT_COMPRESSOR = {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle"}
+
+IDENTITY_KEYS = (
+    "receiver",
+    "sharer",
+    "fuser",
+    "template",
+    "prefix_token_ids",
+    "position_scheme",
+    "dtype",
+    "codec",
+    "geometry",
+)
+
+
+def segment_dir(name: str) -> str:
+    return f"{SEGMENTS}/{name}"
+
+
+def segment_file(name: str, file: str) -> str:
+    return f"{SEGMENTS}/{name}/{file}"
+
+
+def array_path(segment: str, kind: str, part: str) -> str:
+    return f"{SEGMENTS}/{segment}/{kind}/{part}"
+
+
+def new_segment_name() -> str:
+    """Sortable by creation time and unique across machines."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{socket.gethostname()[:16]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace("/", "_")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_shard_tokens(raw_bytes_per_token: int, chunk_tokens: int) -> int:
+    """Largest power of two under the byte target, a multiple of the chunk."""
+    tokens = 64
+    while tokens * 2 * raw_bytes_per_token <= SHARD_TARGET_BYTES and tokens * 2 <= MAX_SHARD_TOKENS:
+        tokens *= 2
+    return max(tokens, chunk_tokens * 4)
+
+
+def zarr_compressors(spec: dict, dtype: str) -> list:
+    """Inner-chunk codecs after `bytes`; crc32c last, so a damaged chunk fails to decode."""
+    import numpy as np
+    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+    if spec["name"] == "zstd":
+        return [ZstdCodec(level=spec.get("level", 3)), Crc32cCodec()]
+    if spec["name"] == "blosc":
+        size = np.dtype(dtype).itemsize
+        return [BloscCodec(cname=spec["cname"], clevel=spec["clevel"], shuffle=spec.get("shuffle", "shuffle"), typesize=size),
+                Crc32cCodec()]
+    if spec["name"] == "none":
+        return [Crc32cCodec()]
+    raise ValueError(f"unknown compressor {spec!r}")

@@ -1,0 +1,152 @@
+"""The single-writer lock, `<store>/writer.lock`.
+
+Local stores: an OS lock (`flock`) on the file, which the kernel drops when
+the holder dies, so SIGKILL never leaves a stale lock; the file's content only
+says who holds it. Other filesystems: the file itself is the lock, created
+with exclusive-create semantics; a dead holder leaves it behind and
+`cachegraft store unlock` removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from cachegraft_cli.errors import StoreError, StoreLockedError
+from cachegraft_cli.store.layout import LOCK, now_iso
+from cachegraft_cli.store.location import Location
+
+
+def holder_info(run_info: dict | None = None) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(), "run": run_info or {}}
+
+
+def _locked_error(loc: Location, holder: dict | None) -> StoreLockedError:
+    who = "an unknown process"
+    if holder:
+        who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+    return StoreLockedError(
+        f"store {loc.url} is being written by {who}.",
+        hint=f"Wait for that writer to finish; if it is dead, remove the lock with `cachegraft store unlock {loc.url}`.",
+    )
+
+
+def _parse(data: bytes) -> dict | None:
+    try:
+        return json.loads(data) if data.strip() else None
+    except ValueError:
+        return None
+
+
+class WriterLock:
+    def __init__(self, loc: Location, run_info: dict | None = None):
+        self.loc = loc
+        self.info = holder_info(run_info)
+        self._fh = None
+
+    def acquire(self) -> "WriterLock":
+        if self.loc.local and _has_flock():
+            self._acquire_local()
+        else:
+            self._acquire_exclusive()
+        return self
+
+    def _acquire_local(self) -> None:
+        import fcntl
+
+        fh = open(self.loc.path(LOCK), "a+b")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            holder = _parse(fh.read())
+            fh.close()
+            raise _locked_error(self.loc, holder) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(self.info).encode())
+        fh.flush()
+        self._fh = fh
+
+    def _acquire_exclusive(self) -> None:
+        data = json.dumps(self.info).encode()
+        try:
+            with self.loc.fs.open(self.loc.path(LOCK), "xb") as fh:
+                fh.write(data)
+        except FileExistsError:
+            raise _locked_error(self.loc, read_holder(self.loc)) from None
+        except (NotImplementedError, ValueError):  # filesystem without exclusive create: best effort
+            if self.loc.exists(LOCK):
+                raise _locked_error(self.loc, read_holder(self.loc)) from None
+            self.loc.write_bytes(LOCK, data)
+            if read_holder(self.loc) != self.info:
+                raise _locked_error(self.loc, read_holder(self.loc)) from None
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.seek(0)
+            self._fh.truncate()
+            self._fh.close()  # closing drops the flock
+            self._fh = None
+        elif not (self.loc.local and _has_flock()):
+            self.loc.remove(LOCK)
+
+
+def _has_flock() -> bool:
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def read_holder(loc: Location) -> dict | None:
+    try:
+        return _parse(loc.read_bytes(LOCK))
+    except FileNotFoundError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_held(loc: Location) -> bool:
+    """Whether a writer holds the lock now (for local stores, asks the OS)."""
+    if not (loc.local and _has_flock()):
+        return loc.exists(LOCK)
+    try:
+        probe = WriterLock(loc)
+        probe._acquire_local()
+    except StoreLockedError:
+        return True
+    except FileNotFoundError:
+        return False
+    probe.release()
+    return False
+
+
+def unlock(loc: Location, force: bool = False) -> str:
+    """Remove a stale lock. Refuses while the holder is alive on this host."""
+    if not is_held(loc):
+        return "not locked"
+    holder = read_holder(loc) or {}
+    here = holder.get("host") == socket.gethostname()
+    if loc.local and _has_flock():
+        raise _locked_error(loc, holder)  # an OS lock is only ever held by a live process
+    if here and pid_alive(int(holder.get("pid", -1))):
+        raise _locked_error(loc, holder)
+    if not here and not force:
+        raise StoreError(
+            f"store {loc.url} is locked by pid {holder.get('pid')} on another host ({holder.get('host')}).",
+            hint="Liveness cannot be checked from here; if that writer is surely gone, rerun with --force.",
+        )
+    loc.remove(LOCK)
+    return f"removed lock of pid {holder.get('pid')} on {holder.get('host')}"

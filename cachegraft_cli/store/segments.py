@@ -1,0 +1,108 @@
+"""Segments: the manifest that lists committed ones, their arrays and tables, garbage."""
+
+from __future__ import annotations
+
+import json
+
+from cachegraft_cli.errors import StoreCorruptError
+from cachegraft_cli.store.codecs import Component
+from cachegraft_cli.store.layout import CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.location import Location
+from cachegraft_cli.store.rows import SegmentTable
+
+
+def empty_manifest() -> dict:
+    return {"format_version": FORMAT_VERSION, "generation": 0, "updated": now_iso(), "segments": []}
+
+
+def load_manifest(loc: Location) -> dict:
+    try:
+        return loc.read_json(MANIFEST)
+    except FileNotFoundError:
+        return empty_manifest()
+    except ValueError as exc:
+        raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
+                                hint="Restore it from a backup; segments/*/commit.json list what was committed.") from None
+
+
+def append_to_manifest(loc: Location, entry: dict) -> dict:
+    """Re-read under the writer lock, add one segment, replace atomically. O(segments)."""
+    manifest = load_manifest(loc)
+    manifest["segments"].append(entry)
+    manifest["generation"] = int(manifest.get("generation", 0)) + 1
+    manifest["updated"] = now_iso()
+    loc.write_json_atomic(MANIFEST, manifest)
+    return manifest
+
+
+def collect_garbage(loc: Location) -> list[str]:
+    """Delete segments no manifest lists (left by killed or aborted writers) and temp files.
+
+    Only called while holding the writer lock, so nothing else is writing.
+    """
+    listed = {s["name"] for s in load_manifest(loc)["segments"]}
+    removed = [name for name in loc.list_names(SEGMENTS) if name not in listed and name != "zarr.json"]
+    for name in removed:
+        loc.remove(segment_dir(name))
+    for name in loc.list_names(""):
+        if ".tmp-" in name:
+            loc.remove(name)
+    return removed
+
+
+def load_tables(loc: Location, names: list[str], file: str = ROWS) -> list[dict]:
+    blobs = loc.read_many([segment_file(n, file) for n in names])
+    out = []
+    for name, blob in zip(names, blobs):
+        try:
+            out.append(json.loads(blob)["columns"])
+        except (ValueError, KeyError) as exc:
+            raise StoreCorruptError(f"segment {name}: {file} is unreadable ({exc}).",
+                                    hint="Run `cachegraft store verify` for details.") from None
+    return out
+
+
+def load_content(loc: Location, tables: list[SegmentTable]) -> None:
+    missing = [t for t in tables if t.content is None]
+    for table, content in zip(missing, load_tables(loc, [t.segment for t in missing], CONTENT)):
+        table.content = content
+
+
+def chunk_rows(store, comp: Component) -> tuple[int, int]:
+    """(rows per inner chunk, rows per shard) of a component."""
+    per_chunk = max(1, store.chunk_tokens // comp.stride)
+    return per_chunk, max(per_chunk, store.shard_tokens // comp.stride)
+
+
+def compressor_for(spec: dict, dtype: str) -> dict:
+    """Byte shuffle only means something for multi-byte types."""
+    import numpy as np
+
+    if spec["name"] == "blosc" and np.dtype(dtype).itemsize == 1:
+        return {**spec, "shuffle": "noshuffle"}
+    return spec
+
+
+def create_array(store, path: str, comp: Component):
+    """Metadata only (shape 0); the writer writes whole shards itself and resizes at commit."""
+    import zarr
+
+    rows_per_chunk, rows_per_shard = chunk_rows(store, comp)
+    return zarr.create_array(
+        store=store.zarr_store(writable=True),
+        name=path,
+        shape=(0,) + comp.tail,
+        dtype=comp.dtype,
+        chunks=(rows_per_chunk,) + comp.tail,
+        shards=(rows_per_shard,) + comp.tail,
+        compressors=zarr_compressors(compressor_for(store.compressor, comp.dtype), comp.dtype),
+        fill_value=0,
+        overwrite=True,
+        config={"write_empty_chunks": True},
+    )
+
+
+def open_array(zstore, path: str):
+    import zarr
+
+    return zarr.open_array(store=zstore, path=path, mode="r", zarr_format=3)

@@ -1,0 +1,280 @@
+"""`CacheStore`: create/open a store, look passages up, read their caches lazily."""
+
+from __future__ import annotations
+
+import os
+from itertools import repeat
+
+import numpy as np
+
+from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError, UsageError
+from cachegraft_cli.store import checksums, identity as ident_mod, segments
+from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
+from cachegraft_cli.store.counting import CountingStore, ReadStats
+from cachegraft_cli.store.layout import (
+    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, now_iso,
+)
+from cachegraft_cli.store.location import Location
+from cachegraft_cli.store.rows import PassageRow, SegmentTable
+
+
+class CacheStore:
+    """A snapshot of a store taken at open: committed segments only."""
+
+    def __init__(self, loc: Location, meta: dict, manifest: dict):
+        self.loc = loc
+        self.meta = meta
+        self.identity: dict = meta["identity"]
+        self.kinds: tuple[str, ...] = tuple(meta["kinds"])
+        self.geometry: dict = self.identity["geometry"]
+        self.codec = get_codec(self.identity["codec"], self.geometry, meta.get("codec_params"))
+        self.chunk_tokens: int = meta["chunk_tokens"]
+        self.shard_tokens: int = meta["shard_tokens"]
+        self.compressor: dict = meta["compressor"]
+        self.stats = ReadStats()
+        self._zstores: dict[bool, object] = {}
+        self._arrays: dict[tuple, object] = {}
+        self._entries: list[dict] = []
+        self._tables: list[SegmentTable] = []
+        self._where: dict[str, tuple[int, int]] = {}
+        self._hashes: set[str] = set()
+        names = [s["name"] for s in manifest["segments"]]
+        for entry, index in zip(manifest["segments"], segments.load_tables(loc, names)):
+            self._adopt(entry, index)
+
+    # -- create / open ----------------------------------------------------------
+
+    @classmethod
+    def create(cls, url, identity: dict, prefix: np.ndarray, kinds=("fused",), *, chunk_tokens: int | None = None,
+               shard_tokens: int | None = None, compressor: dict | None = None, codec_params: dict | None = None,
+               storage_options: dict | None = None) -> "CacheStore":
+        """Make a new store; if one exists with the same identity and kinds, open it instead."""
+        ident = ident_mod.validate(identity)
+        kinds = tuple(kinds)
+        loc = Location.from_url(url, storage_options)
+        if _store_exists(loc):
+            store = cls.open(url, expect=ident, storage_options=storage_options)
+            _check_kinds(store, kinds)
+            return store
+        if "fused" not in kinds or len(set(kinds)) != len(kinds):
+            raise UsageError(f"cache kinds must be distinct and include 'fused'; got {list(kinds)}.")
+        prefix = _check_prefix(prefix, ident)
+        meta = _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params)
+        _write_new_store(loc, meta, prefix)
+        return cls.open(url, storage_options=storage_options)
+
+    @classmethod
+    def open(cls, url, expect: dict | None = None, storage_options: dict | None = None) -> "CacheStore":
+        loc = Location.from_url(url, storage_options)
+        meta = _read_meta(loc)
+        ident_mod.check(loc.url, meta["identity"], expect)
+        return cls(loc, meta, segments.load_manifest(loc))
+
+    # -- passages ---------------------------------------------------------------
+
+    def _adopt(self, entry: dict, index: dict) -> None:
+        """Add one committed segment to this snapshot (on open, and after our own commit)."""
+        ti = len(self._tables)
+        self._entries.append(entry)
+        self._tables.append(SegmentTable(entry["name"], index))
+        self._where.update(zip(index["id"], zip(repeat(ti), range(len(index["id"])))))
+        self._hashes.update(index["content_hash"])
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, passage_id: str) -> bool:
+        return passage_id in self._where
+
+    def ids(self) -> list[str]:
+        return list(self._where)
+
+    def has_hash(self, content_hash: str) -> bool:
+        return content_hash in self._hashes
+
+    def rows(self) -> list[PassageRow]:
+        """Committed rows of the snapshot; an id written again in a later segment shows its latest row."""
+        segments.load_content(self.loc, self._tables)
+        return [self._tables[ti].row(ri) for ti, ri in self._where.values()]
+
+    def get_rows(self, ids: list[str]) -> list[PassageRow]:
+        found = [self._locate(pid) for pid in ids]
+        segments.load_content(self.loc, [self._tables[ti] for ti in sorted({ti for ti, _ in found})])
+        return [self._tables[ti].row(ri) for ti, ri in found]
+
+    def _locate(self, passage_id: str) -> tuple[int, int]:
+        try:
+            return self._where[passage_id]
+        except KeyError:
+            raise StoreError(f"passage {passage_id!r} is not in store {self.loc.url}.",
+                             hint=f"List what it holds with `cachegraft store info {self.loc.url}`.") from None
+
+    @property
+    def segments(self) -> list[dict]:
+        return list(self._entries)
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        g = self.geometry
+        return (g["layers"], 2, g["kv_heads"], g["head_dim"])
+
+    @property
+    def prefix_token_ids(self) -> list[int]:
+        return list(self.identity.get("prefix_token_ids") or [])
+
+    @property
+    def stats_bytes_read(self) -> int:
+        return self.stats.bytes
+
+    # -- reading ----------------------------------------------------------------
+
+    def prefix(self) -> np.ndarray:
+        import zarr
+
+        return np.asarray(zarr.open_array(store=self.zarr_store(), path=PREFIX, mode="r")[...], dtype=np.float32)
+
+    def read(self, ids: list[str], kind: str = "fused", check: bool = True) -> list[np.ndarray]:
+        """Decoded float32 caches `(tokens, layers, 2, kv_heads, head_dim)`, touching only their chunks."""
+        if kind not in self.kinds:
+            raise StoreError(f"store {self.loc.url} has no {kind!r} caches (it holds {', '.join(self.kinds)}).",
+                             hint="Re-encode into a store made with that cache kind.")
+        found = [self._locate(pid) for pid in ids]
+        comps = self.codec.components()
+        spans = [self._tables[ti].span(ri) for ti, ri in found]
+        requests = [(self._array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+                    for (ti, _), span in zip(found, spans) for c in comps]
+        flat = _read_ranges(requests)
+        out = []
+        for n, ((ti, ri), span) in enumerate(zip(found, spans)):
+            parts = {c.name: flat[n * len(comps) + j] for j, c in enumerate(comps)}
+            if check:
+                self._check_passage(ti, ri, kind, parts)
+            out.append(self.codec.decode(parts, *span))
+        return out
+
+    def _check_passage(self, ti: int, ri: int, kind: str, parts: dict) -> None:
+        table = self._tables[ti]
+        if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):
+            raise StoreCorruptError(
+                f"passage {table.index['id'][ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
+                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
+
+    def _array(self, segment: str, kind: str, part: str):
+        key = (segment, kind, part)
+        if key not in self._arrays:
+            self._arrays[key] = segments.open_array(self.zarr_store(), array_path(segment, kind, part))
+        return self._arrays[key]
+
+    def zarr_store(self, writable: bool = False):
+        if writable not in self._zstores:
+            base = self.loc.zarr_store(read_only=not writable)
+            self._zstores[writable] = base if writable else CountingStore(base, self.stats)
+        return self._zstores[writable]
+
+    # -- writing, reporting -----------------------------------------------------
+
+    def writer(self, run_info: dict | None = None):
+        from cachegraft_cli.store.writer import StoreWriter
+
+        return StoreWriter(self, run_info)
+
+    def info(self) -> dict:
+        from cachegraft_cli.store.report import info
+
+        return info(self)
+
+    def verify(self, progress=None) -> dict:
+        from cachegraft_cli.store.verify import verify
+
+        return verify(self, progress)
+
+
+def _read_ranges(requests: list) -> list[np.ndarray]:
+    """Read all (array, (lo, hi)) row ranges concurrently."""
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    async def gather():
+        return await asyncio.gather(*(arr._async_array.getitem((slice(lo, hi),)) for arr, (lo, hi) in requests))
+
+    return [np.asarray(a) for a in sync(gather())]
+
+
+def _read_meta(loc: Location) -> dict:
+    try:
+        root = loc.read_json(ROOT_META)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"no cache store at {loc.url}.",
+                                 hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.") from None
+    meta = root.get("attributes", {}).get("cachegraft")
+    if not meta:
+        raise StoreNotFoundError(f"{loc.url} is a zarr group but not a cache store.",
+                                 hint="Point --store at a directory made by `cachegraft encode`.")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise StoreMismatchError(f"store {loc.url} has format_version={meta['format_version']}, "
+                                 f"this cachegraft reads up to {FORMAT_VERSION}.", hint="Upgrade cachegraft.")
+    return meta
+
+
+def _store_exists(loc: Location) -> bool:
+    """True for a store; False for nothing or a creation that was killed before its root was written."""
+    if not loc.exists(ROOT_META):
+        return False
+    if loc.read_json(ROOT_META).get("attributes", {}).get("cachegraft"):
+        return True
+    if segments.load_manifest(loc)["segments"]:
+        raise StoreError(f"{loc.url} holds segments but its zarr.json does not describe a cache store.",
+                         hint="Restore zarr.json from a backup, or use another --store.")
+    leftovers = set(loc.list_names("")) - {ROOT_META, PREFIX, "manifest.json"}
+    if leftovers:
+        raise StoreError(f"{loc.url} is a zarr group but not a cache store.", hint="Use another --store.")
+    return False
+
+
+def _check_kinds(store: CacheStore, kinds: tuple) -> None:
+    if set(kinds) != set(store.kinds):
+        raise StoreMismatchError(
+            f"store {store.loc.url} holds cache kinds {sorted(store.kinds)}, but {sorted(kinds)} were requested.",
+            hint="Use another --store, or the same cache kinds the store was made with.")
+
+
+def _check_prefix(prefix, ident: dict) -> np.ndarray:
+    g = ident["geometry"]
+    prefix = np.asarray(prefix, dtype=np.float32)
+    want = (g["layers"], 2, g["kv_heads"], g["head_dim"])
+    if prefix.ndim != 5 or prefix.shape[1:] != want:
+        raise UsageError(f"prefix cache has shape {prefix.shape}, expected (tokens, {', '.join(map(str, want))}).")
+    ids = ident.get("prefix_token_ids")
+    if ids is not None and len(ids) != len(prefix):
+        raise UsageError(f"prefix cache has {len(prefix)} tokens but prefix_token_ids has {len(ids)}.")
+    return prefix
+
+
+def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params) -> dict:
+    chunk = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
+    shard = int(shard_tokens or default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk))
+    codec = get_codec(ident["codec"], ident["geometry"], codec_params)
+    strides = [c.stride for c in codec.components()] + [chunk]
+    if chunk < 1 or any(shard % s for s in strides):
+        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group {strides}.")
+    return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
+            "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
+            "created": now_iso()}
+
+
+def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
+    """Prefix and empty manifest first, the root zarr.json last: a store exists once that is written."""
+    import zarr
+
+    from cachegraft_cli.store.layout import MANIFEST
+
+    if loc.local:
+        os.makedirs(loc.root, exist_ok=True)
+    zstore = loc.zarr_store(read_only=False)
+    arr = zarr.create_array(store=zstore, name=PREFIX, shape=prefix.shape, dtype="float32",
+                            chunks=prefix.shape if len(prefix) else (1,) + prefix.shape[1:], overwrite=True)
+    arr[...] = prefix
+    if not loc.exists(MANIFEST):
+        loc.write_json_atomic(MANIFEST, segments.empty_manifest())
+    loc.write_json_atomic(ROOT_META, {"zarr_format": 3, "node_type": "group", "attributes": {"cachegraft": meta}})

@@ -1,0 +1,185 @@
+"""One writer session: appends to one new segment, visible only after commit.
+
+Order of writes (what makes a SIGKILL at any point harmless):
+  1. arrays under segments/<new>/ (whole shards, flushed as they fill)
+  2. rows.json, content.json, then commit.json (the segment is complete)
+  3. manifest.json replaced atomically with the new segment listed
+Until step 3 the segment is invisible; the next writer deletes unlisted segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cachegraft_cli.errors import StoreError, UsageError
+from cachegraft_cli.store import checksums, segments, shards
+from cachegraft_cli.store.layout import COMMIT, CONTENT, ROWS, array_path, new_segment_name, now_iso, segment_dir, segment_file
+from cachegraft_cli.store.lock import WriterLock
+from cachegraft_cli.store.rows import PassageRow, content_columns, content_hash_of, index_columns
+
+
+class StoreWriter:
+    def __init__(self, store, run_info: dict | None = None):
+        self.store = store
+        self.run_info = dict(run_info or {})
+        self.name = new_segment_name()
+        self.lock = WriterLock(store.loc, self.run_info).acquire()
+        self.closed = False
+        self.rows: list[PassageRow] = []
+        self.spans: list[tuple[int, int]] = []
+        self.crcs: list[dict] = []
+        self._buffer: dict[str, list[np.ndarray]] = {k: [] for k in store.kinds}
+        self._buffered = 0
+        self._written = 0
+        self._arrays: dict = {}
+        self._compressors = {c.dtype: shards.numcodecs_compressor(segments.compressor_for(store.compressor, c.dtype))
+                             for c in store.codec.components()}
+        self._hashes: set[str] = set()
+        try:
+            segments.collect_garbage(store.loc)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    # -- context manager -----------------------------------------------------
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.closed:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    # -- adding ---------------------------------------------------------------
+
+    @property
+    def tokens(self) -> int:
+        return self._written + self._buffered
+
+    def has_hash(self, content_hash: str) -> bool:
+        return content_hash in self._hashes or self.store.has_hash(content_hash)
+
+    def add(self, row: PassageRow, caches: dict[str, np.ndarray]) -> PassageRow:
+        """Buffer one passage; whole shards are written as they fill."""
+        self._check_open()
+        arrays = self._check_caches(row, caches)
+        n = len(next(iter(arrays.values())))
+        stored = dataclasses.replace(row, tokens=n, segment=self.name, offset=self.tokens,
+                                     content_hash=row.content_hash or content_hash_of(row.text),
+                                     metadata=dict(row.metadata or {}))
+        for kind, arr in arrays.items():
+            self._buffer[kind].append(arr)
+        self.rows.append(stored)
+        self.spans.append((stored.offset, stored.offset + n))
+        self.crcs.append(checksums.empty(self.store.kinds, self.store.codec.components()))
+        self._hashes.add(stored.content_hash)
+        self._buffered += n
+        if self._buffered >= self.store.shard_tokens:
+            self._flush(final=False)
+        return stored
+
+    def _check_caches(self, row: PassageRow, caches: dict) -> dict[str, np.ndarray]:
+        if not isinstance(row, PassageRow) or not row.id:
+            raise UsageError("add() needs a PassageRow with an id.")
+        if set(caches) != set(self.store.kinds):
+            raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds {sorted(self.store.kinds)}.")
+        arrays = {k: np.asarray(caches[k], dtype=np.float32) for k in self.store.kinds}
+        want = self.store.token_shape
+        lengths = {a.shape[0] if a.ndim == 5 else -1 for a in arrays.values()}
+        for kind, a in arrays.items():
+            if a.ndim != 5 or a.shape[1:] != want or a.shape[0] < 1:
+                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, {', '.join(map(str, want))}).")
+        if len(lengths) != 1:
+            raise UsageError(f"passage {row.id!r}: cache kinds differ in token count.")
+        return arrays
+
+    # -- flushing -------------------------------------------------------------
+
+    def _flush(self, final: bool) -> None:
+        shard = self.store.shard_tokens
+        if not self._buffered:
+            return
+        blocks = {k: np.concatenate(v, axis=0) for k, v in self._buffer.items()}
+        size = self._buffered if final else (self._buffered // shard) * shard
+        for start in range(0, size, shard):
+            stop = min(start + shard, size)
+            self._write_block({k: b[start:stop] for k, b in blocks.items()})
+        self._buffer = {k: ([b[size:]] if size < len(b) else []) for k, b in blocks.items()}
+        self._buffered -= size
+
+    def _write_block(self, block: dict[str, np.ndarray]) -> None:
+        start = self._written
+        stop = start + len(next(iter(block.values())))
+        comps = self.store.codec.components()
+        for kind, x in block.items():
+            parts = self.store.codec.encode(x)
+            for comp in comps:
+                self._write_shard(kind, comp, start, parts[comp.name])
+            checksums.feed(self.spans, self.crcs, kind, comps, parts, start, stop)
+        self._written = stop
+
+    def _write_shard(self, kind: str, comp, start: int, rows: np.ndarray) -> None:
+        """Blocks are whole shards (the last one may be short), so each write is one new shard file."""
+        per_chunk, per_shard = segments.chunk_rows(self.store, comp)
+        path = array_path(self.name, kind, comp.name)
+        if (kind, comp.name) not in self._arrays:
+            self._arrays[(kind, comp.name)] = segments.create_array(self.store, path, comp)
+        data = shards.encode_shard(rows, per_chunk, per_shard // per_chunk, self._compressors[comp.dtype])
+        self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)), data)
+
+    def _resize_arrays(self) -> None:
+        for (kind, part), arr in self._arrays.items():
+            comp = next(c for c in self.store.codec.components() if c.name == part)
+            arr.resize((comp.rows(0, self._written)[1],) + comp.tail)
+
+    # -- commit / abort -------------------------------------------------------
+
+    def commit(self) -> dict | None:
+        """Make this session's rows visible. Returns the manifest entry (None if nothing was added)."""
+        self._check_open()
+        try:
+            entry = self._commit() if self.rows else None
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+        self.lock.release()
+        return entry
+
+    def _commit(self) -> dict:
+        self._flush(final=True)
+        self._resize_arrays()
+        loc = self.store.loc
+        index = index_columns(self.rows, self.crcs)
+        loc.write_json_atomic(segment_file(self.name, ROWS), {"columns": index}, compact=True)
+        loc.write_json_atomic(segment_file(self.name, CONTENT), {"columns": content_columns(self.rows)}, compact=True)
+        entry = self._entry()
+        loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
+        segments.append_to_manifest(loc, entry)
+        self.store._adopt(entry, index)
+        return entry
+
+    def _entry(self) -> dict:
+        loc = self.store.loc
+        nbytes = {k: loc.size(f"{segment_dir(self.name)}/{k}") for k in self.store.kinds}
+        return {"name": self.name, "rows": len(self.rows), "tokens": self._written, "bytes": nbytes,
+                "committed": now_iso(), "run_info": self.run_info}
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.store.loc.remove(segment_dir(self.name))
+        finally:
+            self.lock.release()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"the writer of segment {self.name} is already closed.")

@@ -1,0 +1,80 @@
+"""Shared helpers for the store tests (no tests here)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from cachegraft_cli.store import PassageRow
+from cachegraft_cli.store.codecs import from_bf16_words, to_bf16_words
+
+GEOMETRY = {"layers": 3, "kv_heads": 2, "head_dim": 8}
+TOKEN_SHAPE = (3, 2, 2, 8)
+
+
+def identity(codec: str = "bf16", geometry: dict | None = None, **over) -> dict:
+    ident = {
+        "receiver": {"name": "tiny/receiver", "revision": "r1"},
+        "sharer": {"name": "tiny/sharer", "revision": "s1"},
+        "fuser": {"name": "tiny/fuser", "sha256": "ab" * 32},
+        "template": {"name": "plain", "version": 1},
+        "prefix_token_ids": [1, 2, 3, 4],
+        "position_scheme": "canonical",
+        "dtype": "bfloat16",
+        "codec": codec,
+        "geometry": geometry or GEOMETRY,
+    }
+    ident.update(over)
+    return ident
+
+
+def bf16_cache(rng, tokens: int, shape=TOKEN_SHAPE, scale: float = 1.0) -> np.ndarray:
+    x = rng.normal(0, scale, size=(tokens,) + tuple(shape)).astype(np.float32)
+    return from_bf16_words(to_bf16_words(x))
+
+
+def prefix(rng, shape=TOKEN_SHAPE) -> np.ndarray:
+    return bf16_cache(rng, 4, shape)
+
+
+def row(i: int, **over) -> PassageRow:
+    fields = dict(id=f"p{i}", title=f"Title {i}", text=f"passage text {i}", content_hash=f"hash{i}",
+                  metadata={"n": i, "tags": ["a", "b"]}, parent_id=f"doc{i // 3}", chunk_index=i % 3)
+    fields.update(over)
+    return PassageRow(**fields)
+
+
+def fill(store, rng, ids, lengths=(5, 40), kinds=("fused",), run_info=None) -> dict:
+    """Add passages `ids` in one writer session; returns id -> {kind: array}."""
+    data = {}
+    with store.writer(run_info or {"test": True}) as w:
+        for i in ids:
+            n = int(rng.integers(*lengths))
+            data[f"p{i}"] = {k: bf16_cache(rng, n) for k in kinds}
+            w.add(row(i), data[f"p{i}"])
+    return data
+
+
+def memory_url() -> str:
+    return f"memory://cg-{uuid.uuid4().hex[:10]}/store"
+
+
+def files_under(store, rel: str) -> dict[str, bytes]:
+    """path -> bytes of every file under `rel` of a store (any filesystem)."""
+    fs, root = store.loc.fs, store.loc.path(rel)
+    return {p: fs.cat_file(p) for p in fs.find(root)}
+
+
+def shard_files(store, segment: str, kind: str = "fused", part: str = "data") -> list[str]:
+    fs = store.loc.fs
+    root = store.loc.path(f"segments/{segment}/{kind}/{part}/c")
+    return sorted(fs.find(root))
+
+
+def flip_bytes(store, path: str, at: int, n: int = 8) -> None:
+    fs = store.loc.fs
+    data = bytearray(fs.cat_file(path))
+    for j in range(at, at + n):
+        data[j] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
