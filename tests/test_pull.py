@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -186,3 +185,10 @@ def test_cli_list_pull_and_path(mirror, home):
     missing = runner.invoke(app, ["models", "path", TINY])
     assert isinstance(missing.exception, ModelLoadError)
     assert isinstance(runner.invoke(app, ["models", "path", "offline"]).exception, ModelLoadError)
+
+
+def test_pulled_files_get_umask_modes(pulled_tiny):
+    _, path = pulled_tiny
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o666 & ~mask}
