@@ -1,0 +1,174 @@
+"""encode -> index -> ask through the CLI with tiny models: exactness, batch
+mode, the sharer never loading for graft, and every error's exit code."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cachegraft_cli.cli.app import main
+
+PASSAGES = [
+    {"id": "harbor", "title": "Harbor town", "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
+    {"id": "treaty", "title": "Treaty", "text": "The treaty was signed in Vienna after long talks between the two empires."},
+    {"id": "photo", "title": "Photosynthesis", "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
+]
+QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what does photosynthesis make?"]
+
+
+def run(capsys, monkeypatch, *args):
+    """Invoke `cachegraft` in-process through main() (the real error mapping)."""
+    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main()
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def _corpus(path, passages):
+    path.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    return path
+
+
+def _encode(capsys, monkeypatch, corpus, store, receiver, *extra):
+    code, out, err = run(capsys, monkeypatch, "encode", corpus, "--store", store, "--receiver", receiver,
+                         "--dtype", "float32", "--codec", "float32", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def open_fuser_dir(tiny_models, tmp_path_factory):
+    """A random fuser for receiver <- sharer_same with its gates open."""
+    import torch
+
+    from cachegraft_cli.fuser.checkpoint import save_published
+    from cachegraft_cli.fuser.fuser import Fuser
+
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    torch.manual_seed(0)
+    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
+    fuser.set_gates(1.0)
+    path = tmp_path_factory.mktemp("fuser") / "open"
+    save_published(fuser, path)
+    return path
+
+
+def test_help_lists_stages_without_importing_torch():
+    code = (
+        "import sys; sys.argv=['cachegraft','--help']\n"
+        "from cachegraft_cli.cli.app import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import at start-up'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for stage in ("encode", "index", "ask", "evaluate", "store", "models"):
+        assert stage in proc.stdout
+
+
+def test_version(capsys, monkeypatch):
+    code, out, _ = run(capsys, monkeypatch, "--version")
+    assert code == 0 and out.startswith("cachegraft ")
+
+
+def test_graft_with_closed_fuser_equals_text_at_k1(tiny_dirs, tmp_path, capsys, monkeypatch):
+    """The exactness property through the whole CLI: single-passage store, fuser
+    closed, k=1: the fused-cache answer and the text answer are the same tokens."""
+    corpus = _corpus(tmp_path / "one.jsonl", PASSAGES[:1])
+    store = tmp_path / "store"
+    summary = _encode(capsys, monkeypatch, corpus, store, tiny_dirs["receiver"])
+    assert summary["added"] == 1 and summary["tokens"] > 0
+    assert run(capsys, monkeypatch, "index", "--store", store)[0] == 0
+    answers = {}
+    for system in ("graft", "text", "cache"):
+        code, out, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "-k", 1, "--system", system,
+                             "--json", "--max-new-tokens", 12)
+        if system == "cache":
+            assert code == 2 and "--also-own-cache" in err  # no own caches stored: a clear error
+            continue
+        assert code == 0, err
+        answers[system] = json.loads(out)
+    g, t = answers["graft"], answers["text"]
+    assert g["tokens"]["generated"] > 0
+    assert g["answer"] == t["answer"] and g["tokens"]["generated"] == t["tokens"]["generated"]
+    assert g["passages"][0]["id"] == "harbor" and set(g["timings"]) >= {"retrieve", "load", "prefill", "first_token", "total"}
+
+
+def test_batch_mode_matches_single_calls(tiny_dirs, tmp_path, capsys, monkeypatch):
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
+    run(capsys, monkeypatch, "index", "--store", store)
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(QUESTIONS)))
+    code, out, err = run(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-k", 2, "--max-new-tokens", 8)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [x["id"] for x in lines] == ["q0", "q1", "q2"]
+    for line, q in zip(lines, QUESTIONS):
+        code, out, _ = run(capsys, monkeypatch, "ask", q, "--store", store, "-k", 2, "--json", "--max-new-tokens", 8)
+        assert json.loads(out)["answer"] == line["answer"]
+
+
+def test_graft_never_loads_the_sharer(tiny_dirs, open_fuser_dir, tmp_path, capsys, monkeypatch):
+    import cachegraft_cli.models as models
+
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"],
+            "--sharer", tiny_dirs["sharer_same"], "--fuser", open_fuser_dir, "--also-own-cache")
+    run(capsys, monkeypatch, "index", "--store", store)
+    loaded = []
+    real = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    code, out, err = run(capsys, monkeypatch, "ask", QUESTIONS[1], "--store", store, "--json", "--max-new-tokens", 6)
+    assert code == 0, err
+    assert loaded == [str(tiny_dirs["receiver"])]
+    code, out_cache, _ = run(capsys, monkeypatch, "ask", QUESTIONS[1], "--store", store, "--json", "--system", "cache")
+    assert code == 0 and json.loads(out_cache)["system"] == "cache"
+
+
+def test_error_exit_codes(tiny_dirs, tmp_path, capsys, monkeypatch):
+    store = tmp_path / "store"
+    corpus = _corpus(tmp_path / "c.jsonl", PASSAGES)
+    _encode(capsys, monkeypatch, corpus, store, tiny_dirs["receiver"])
+    # missing index
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store)
+    assert code == 9 and "cachegraft index --store" in err and "Traceback" not in err
+    run(capsys, monkeypatch, "index", "--store", store)
+    # no passage retrieved
+    code, _, err = run(capsys, monkeypatch, "ask", "zzqx vvbnm", "--store", store)
+    assert code == 10 and "No passage matched" in err
+    # no store at all
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", tmp_path / "nope")
+    assert code == 5 and "cachegraft encode" in err
+    # a store made with other models: encode again with another receiver
+    code, _, err = run(capsys, monkeypatch, "encode", corpus, "--store", store, "--receiver", tiny_dirs["sharer_same"],
+                       "--dtype", "float32", "--codec", "float32")
+    assert code == 5 and "receiver" in err
+    # neither a question nor --questions
+    code, _, err = run(capsys, monkeypatch, "ask", "--store", store)
+    assert code == 2 and "hint:" in err
+
+
+def test_empty_store_and_changed_receiver(tiny_dirs, tmp_path, capsys, monkeypatch):
+    empty = _corpus(tmp_path / "empty.jsonl", [])
+    receiver = tmp_path / "receiver"
+    shutil.copytree(tiny_dirs["receiver"], receiver)
+    _encode(capsys, monkeypatch, empty, tmp_path / "empty-store", receiver)
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", tmp_path / "empty-store")
+    assert code == 10 and "no passages" in err
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, receiver)
+    run(capsys, monkeypatch, "index", "--store", store)
+    shutil.rmtree(receiver)
+    shutil.copytree(tiny_dirs["sharer_same"], receiver)  # same path, other weights
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store)
+    assert code == 5 and "fingerprint" in err
+
+
+def test_debug_flag_shows_traceback(tmp_path, capsys, monkeypatch):
+    code, _, err = run(capsys, monkeypatch, "--debug", "ask", "q", "--store", tmp_path / "nope")
+    assert code == 5 and "Traceback" in err
