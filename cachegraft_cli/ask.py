@@ -117,17 +117,51 @@ class Asker:
     def _generate(self, question, hits, options: AskOptions, on_text, t0):
         from cachegraft_cli.generation import generate
 
-        rows = self.store.get_rows([h.id for h in hits])
+        lm, past, ids, start = self._prompt(question, hits, options)
+        t_load = time.perf_counter()
+        return generate(lm, past, ids, start, options.generation, on_text, t0), t_load
+
+    def _prompt(self, question: str, hits, options: AskOptions):
+        """(model, past KV or None, input ids, first position) for one question."""
         if options.system in CACHE_KIND:
             past, start = self._assemble([h.id for h in hits], CACHE_KIND[options.system], options.scheme)
-            t_load = time.perf_counter()
-            ids = self.session.template.question_ids(question)
-            return generate(self.receiver, past, ids, start, options.generation, on_text, t0), t_load
+            return self.receiver, past, self.session.template.question_ids(question), start
         lm, template = self._text_model(options.system)
+        rows = self.store.get_rows([h.id for h in hits])
         ids = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
-        ids += template.question_ids(question)
-        t_load = time.perf_counter()
-        return generate(lm, None, ids, 0, options.generation, on_text, t0), t_load
+        return lm, None, ids + template.question_ids(question), 0
+
+    def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8) -> list[dict]:
+        """Answer questions in batches of `batch_size` (one batched decode each);
+        timings are per batch, shared by its questions."""
+        from cachegraft_cli.generation import generate_batch
+
+        options.check()
+        results = []
+        for i in range(0, len(questions), batch_size):
+            chunk = questions[i : i + batch_size]
+            t0 = time.perf_counter()
+            hit_lists = self._retrieve_many(chunk, options)
+            t_retrieve = time.perf_counter()
+            prompts = [self._prompt(q, hits, options) for q, hits in zip(chunk, hit_lists)]
+            t_load = time.perf_counter()
+            gens = generate_batch(prompts[0][0], [p[1] for p in prompts], [p[2] for p in prompts],
+                                  [p[3] for p in prompts], options.generation)
+            for q, hits, gen in zip(chunk, hit_lists, gens):
+                timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
+                           **{k: v + (t_load - t0) for k, v in gen.timings.items() if k != "prefill"},
+                           "prefill": gen.timings["prefill"]}
+                results.append(_result(q, gen, hits, self.store.get_rows([h.id for h in hits]), options, timings))
+        return results
+
+    def _retrieve_many(self, questions: list[str], options: AskOptions):
+        if options.system == "closed":
+            return [[] for _ in questions]
+        hit_lists = self.index.search_many(questions, options.k)
+        for q, hits in zip(questions, hit_lists):
+            if not hits:
+                self.retrieve(q, options.k)  # raises the no-passage error for this question
+        return hit_lists
 
     def _text_model(self, system: str):
         if system == "sharer-text":

@@ -131,3 +131,94 @@ class _Streamer:
             return
         self.on_text(text[self.sent :])
         self.sent = len(text)
+
+
+@torch.inference_mode()
+def generate_batch(
+    lm, pasts: list[PlainKV | None], inputs: list[list[int]], starts: list[int], config: GenerationConfig | None = None
+) -> list[Generation]:
+    """Greedy/sampled decoding of several prompts at once, each with its own past.
+
+    Rows are left-padded twice: the pasts to the longest past, the inputs to
+    the longest input; pads are masked out, so each row computes what it
+    would alone (up to float summation order).
+    """
+    config = config or GenerationConfig()
+    t0 = time.perf_counter()
+    past, mask = _pad_pasts(lm, pasts)
+    ids, positions, qmask = _pad_inputs(inputs, starts, lm.tokenizer.pad_token_id or 0)
+    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, mask)
+    logits = step(ids, positions, qmask)
+    t_prefill = time.perf_counter()
+    rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config)
+    t_end = time.perf_counter()
+    timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
+    return [Generation(out, lm.tokenizer.decode(out, skip_special_tokens=True).strip(), len(q), dict(timings))
+            for out, q in zip(rows, inputs)]
+
+
+def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
+    stops, rows = stop_ids(lm), [[] for _ in range(logits.shape[0])]
+    done = [False] * len(rows)
+    rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    for _ in range(config.max_new_tokens):
+        tokens = [_pick(row_logits, config, rng) for row_logits in logits]
+        for i, t in enumerate(tokens):
+            done[i] = done[i] or t in stops
+            if not done[i]:
+                rows[i].append(t)
+        if all(done):
+            break
+        ones = torch.ones(len(rows), 1, dtype=torch.long)
+        logits = step(torch.tensor(tokens)[:, None], next_pos[:, None], ones)
+        next_pos = next_pos + 1
+    return rows
+
+
+def _pad_pasts(lm, pasts):
+    lengths = [kvcache.num_tokens(p) if p else 0 for p in pasts]
+    width = max(lengths)
+    if width == 0:
+        return None, torch.zeros(len(pasts), 0, dtype=torch.long)
+    ref = next(p for p in pasts if p)
+    layers = []
+    for layer in range(len(ref)):
+        k0, v0 = ref[layer]
+        k = k0.new_zeros((len(pasts), k0.shape[-3], width, k0.shape[-1]))
+        v = v0.new_zeros((len(pasts), v0.shape[-3], width, v0.shape[-1]))
+        for i, p in enumerate(pasts):
+            if p:
+                k[i, :, width - lengths[i] :] = p[layer][0][0]
+                v[i, :, width - lengths[i] :] = p[layer][1][0]
+        layers.append((k, v))
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    return layers, mask
+
+
+def _pad_inputs(inputs, starts, pad: int):
+    width = max(len(q) for q in inputs)
+    ids = torch.tensor([[pad] * (width - len(q)) + list(q) for q in inputs])
+    positions = torch.tensor([[s] * (width - len(q)) + list(range(s, s + len(q))) for q, s in zip(inputs, starts)])
+    mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in inputs])
+    return ids, positions, mask
+
+
+class _BatchStepper:
+    """Feeds a batch of tokens at explicit positions with a growing 2D mask."""
+
+    def __init__(self, lm, cache, mask):
+        self.lm, self.cache, self.mask = lm, cache, mask
+
+    def __call__(self, ids, positions, new_mask) -> torch.Tensor:
+        device = self.lm.device
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        out = self.lm.model(
+            input_ids=ids.to(device),
+            attention_mask=self.mask.to(device),
+            cache=self.cache,
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.cache
+        return out.logits[:, -1].float()

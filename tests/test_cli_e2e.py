@@ -104,13 +104,26 @@ def test_batch_mode_matches_single_calls(tiny_dirs, tmp_path, capsys, monkeypatc
     run(capsys, monkeypatch, "index", "--store", store)
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(QUESTIONS)))
-    code, out, err = run(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-k", 2, "--max-new-tokens", 8)
+    code, out, err = run(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-k", 2, "--max-new-tokens", 8,
+                         "--batch-size", 3)
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert [x["id"] for x in lines] == ["q0", "q1", "q2"]
     for line, q in zip(lines, QUESTIONS):
         code, out, _ = run(capsys, monkeypatch, "ask", q, "--store", store, "-k", 2, "--json", "--max-new-tokens", 8)
         assert json.loads(out)["answer"] == line["answer"]
+
+
+def test_batch_mode_reports_questions_without_passages(tiny_dirs, tmp_path, capsys, monkeypatch):
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
+    run(capsys, monkeypatch, "index", "--store", store)
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"id": "a", "question": QUESTIONS[0]}) + "\n" + json.dumps({"id": "b", "question": "zzqx"}) + "\n")
+    code, out, err = run(capsys, monkeypatch, "ask", "-q", qfile, "--store", store, "--max-new-tokens", 4)
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 10 and "1 of 2 questions" in err
+    assert "answer" in lines[0] and "error" in lines[1] and lines[1]["id"] == "b"
 
 
 def test_graft_never_loads_the_sharer(tiny_dirs, open_fuser_dir, tmp_path, capsys, monkeypatch):

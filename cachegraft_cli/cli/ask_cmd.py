@@ -20,6 +20,7 @@ def ask(
         Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Batch mode: questions decoded together.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit in tokens.")] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
@@ -45,7 +46,7 @@ def ask(
     _note_closed_fuser(asker, system)
     asker.warm(system)
     if questions is not None:
-        _batch(asker, questions, options)
+        _batch(asker, questions, options, batch_size)
         return
     stream = sys.stdout.isatty() and not json_out
     result = asker.ask(question, options, on_text=_echo if stream else None)
@@ -73,22 +74,51 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(asker, source: str, options) -> None:
-    """One JSON line out per question in, models loaded once."""
+def _batch(asker, source: str, options, batch_size: int) -> None:
+    """One JSON line out per question in, models loaded once, decoded in batches.
+    A question with no retrieved passage gets an error line; the exit code says so."""
+    from cachegraft_cli.errors import NoPassagesError
+
+    items = _read_questions(source)
+    failed = 0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        try:
+            results = asker.ask_many([q for _, q in chunk], options, batch_size)
+        except NoPassagesError:
+            results = [_one(asker, q, options) for _, q in chunk]
+        for (qid, _), result in zip(chunk, results):
+            failed += "error" in result
+            emit_json({"id": qid, **result})
+    if failed:
+        raise NoPassagesError(f"{failed} of {len(items)} questions retrieved no passage (see their error lines).",
+                              "Rephrase them with words from the corpus, or use a dense index.")
+
+
+def _one(asker, question: str, options) -> dict:
+    from cachegraft_cli.errors import NoPassagesError
+
+    try:
+        return asker.ask(question, options)
+    except NoPassagesError as exc:
+        return {"question": question, "error": exc.message}
+
+
+def _read_questions(source: str) -> list[tuple]:
     from cachegraft_cli.errors import UsageError
 
     stream = sys.stdin if source == "-" else _open(source)
+    items = []
     for n, line in enumerate(stream, 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-            q = item["question"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            items.append((item.get("id", n), item["question"]))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise UsageError(f"{source}:{n}: expected a JSON object with a \"question\" field.",
                              'Each line must look like {"id": "q1", "question": "..."}.') from None
-        result = asker.ask(q, options)
-        emit_json({"id": item.get("id", n), **result})
+    return items
 
 
 def _open(path: str):
