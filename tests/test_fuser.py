@@ -196,3 +196,27 @@ def test_unreachable_hub_says_how_to_use_local_files(tmp_path, monkeypatch):
 
 def test_closed_spec_is_none():
     assert load_fuser("closed") is None and load_fuser(None) is None
+
+
+def test_fuser_cli_info_and_convert(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from cachegraft_cli.cli.app import main
+
+    fuser = _small_fuser(gates=1.0, seed=7)
+    save_published(fuser, tmp_path / "pub")
+
+    def cli(*args):
+        monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
+        with pytest.raises(SystemExit) as info:
+            main()
+        return info.value.code or 0, capsys.readouterr()
+
+    code, (out, _) = cli("fuser", "convert", tmp_path / "pub", tmp_path / "own", "--to", "own")
+    assert code == 0 and (tmp_path / "own/fuser.json").is_file()
+    code, (out, _) = cli("fuser", "info", tmp_path / "own", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["projectors"] == 4 and info["fingerprint"] == fuser.fingerprint()[:32]
+    assert info["open_gates"] == "4 key / 4 value of 4"
+    code, (_, err) = cli("fuser", "convert", tmp_path / "pub", tmp_path / "x", "--to", "pickle")
+    assert code == 2 and "--to own" in err

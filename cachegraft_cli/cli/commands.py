@@ -12,6 +12,8 @@ _COMMANDS = [
     ("index_cmd", "index", "cmd"),
     ("ask_cmd", "ask", "cmd"),
     ("evaluate_cmd", "evaluate", "cmd"),
+    ("fuser_cmd", "fuser_app", "group"),
+    ("train_cmd", "train_fuser", "cmd"),
     ("store_cmd", "store_app", "group"),
     ("models_cmd", "models_app", "group"),
 ]
