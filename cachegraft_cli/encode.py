@@ -71,8 +71,15 @@ def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
     ids = template.passage_ids(passage.title, text)
     if len(ids) <= max_tokens:
         return [Chunk(passage, text, ids, template.passage_block(passage.title, text))]
-    overhead = len(template.passage_ids(passage.title, "")) + 2
-    budget = max(8, max_tokens - overhead)
+    budget = max(8, max_tokens - len(template.passage_ids(passage.title, "")))
+    while True:  # re-tokenising a piece with its title can merge or split a few tokens: shrink until all fit
+        chunks = _chunks(passage, text, template, budget)
+        if all(len(c.ids) <= max_tokens for c in chunks) or budget <= 8:
+            return chunks
+        budget -= max(1, budget // 16)
+
+
+def _chunks(passage: Passage, text: str, template, budget: int) -> list[Chunk]:
     chunks = []
     for index, (a, b) in enumerate(_spans(text, template.tokenizer, budget)):
         piece = text[a:b].strip()
@@ -124,7 +131,8 @@ def encode_corpus(
 
 
 def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
-    """Read and check everything before writing anything; drop what is already stored."""
+    """Read and check everything before writing anything; drop what is already stored
+    (same id, same content hash: identical text under two ids is stored twice)."""
     known = {row.id: row.content_hash for row in store.rows()}
     todo: list[Chunk] = []
     seen: set[str] = set()
@@ -135,10 +143,10 @@ def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSumm
         for chunk in chunks:
             digest = _hash(chunk)
             _check_changed(chunk, known, digest)
-            if digest in seen or store.has_hash(digest):
+            if known.get(chunk.id) == digest or chunk.id in seen:  # stored already, or a repeat in this corpus
                 summary.skipped_existing += 1
                 continue
-            seen.add(digest)
+            seen.add(chunk.id)
             todo.append(chunk)
     return todo
 
