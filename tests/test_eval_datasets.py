@@ -135,3 +135,13 @@ def test_squad_passages_match_the_corpus_reader(tmp_path):
     theirs = [(p.id, p.title, p.text) for p in corpus.read_corpus(str(path))]
     mine = [(p.id, p.title, p.text) for p in load_benchmark(str(path), corpus="full").passages]
     assert mine == theirs
+
+
+def test_restrict_articles_keeps_whole_articles():
+    from cachegraft_cli.evaluation.datasets import QAExample, restrict_articles
+
+    qs = [QAExample(f"q{i}", "?", ["a"], [f"t{i % 4}/0"], f"t{i % 4}") for i in range(20)]
+    kept = restrict_articles(qs, 2, seed=1)
+    assert len({q.title for q in kept}) == 2 and len(kept) == 10
+    assert kept == restrict_articles(qs, 2, seed=1)  # seeded
+    assert restrict_articles(qs, None, seed=1) == qs

@@ -21,6 +21,7 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions per benchmark (sampled with --seed).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling and bootstrap seed.")] = 0,
     corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
+    articles: Annotated[Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")] = None,
     pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
@@ -44,7 +45,7 @@ def evaluate(
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
     acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
-    config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, pairwise,
+    config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, articles, pairwise,
                        answerer_config=acfg.results_key())
     summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
     if json_out:

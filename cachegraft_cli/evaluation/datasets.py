@@ -330,6 +330,15 @@ def sample_questions(questions: list[QAExample], limit: int | None, seed: int) -
     return [questions[i] for i in chosen]
 
 
+def restrict_articles(questions: list[QAExample], articles: int | None, seed: int) -> list[QAExample]:
+    """Questions of `articles` seeded-sampled article titles (all when None)."""
+    titles = sorted({q.title for q in questions})
+    if articles is None or articles >= len(titles):
+        return list(questions)
+    keep = set(random.Random(seed).sample(titles, articles))
+    return [q for q in questions if q.title in keep]
+
+
 def select_corpus(questions: list[QAExample], passages: list[CorpusPassage], mode: str) -> list[CorpusPassage]:
     """`full`: every passage. `articles`: the passages of the articles holding a gold passage.
 
@@ -346,8 +355,10 @@ def select_corpus(questions: list[QAExample], passages: list[CorpusPassage], mod
 
 
 def load_benchmark(spec: DatasetSpec | str, limit: int | None = None, seed: int = 0,
-                   corpus: str = "articles") -> Benchmark:
+                   corpus: str = "articles", articles: int | None = None) -> Benchmark:
+    """`articles` first restricts the questions to that many seeded-sampled
+    articles, so the `articles` corpus stays small enough for a CPU run."""
     spec = parse_dataset_spec(spec) if isinstance(spec, str) else spec
     questions, passages = read_dataset(spec)
-    sampled = sample_questions(questions, limit, seed)
+    sampled = sample_questions(restrict_articles(questions, articles, seed), limit, seed)
     return Benchmark(spec.name, sampled, select_corpus(sampled, passages, corpus))

@@ -52,6 +52,7 @@ class RunConfig:
     limit: int | None = None
     seed: int = 0
     corpus: str = "articles"
+    articles: int | None = None
     pairwise: bool = False
     bootstrap_samples: int = 2000
     answer_batch_size: int = 8
@@ -66,7 +67,7 @@ class RunConfig:
         return {
             "benchmarks": [s.to_dict() for s in self.specs()], "systems": list(self.systems),
             "ks": list(self.ks), "judges": _judge_entries(self.judges), "limit": self.limit,
-            "seed": self.seed, "corpus": self.corpus, "pairwise": self.pairwise,
+            "seed": self.seed, "corpus": self.corpus, "articles": self.articles, "pairwise": self.pairwise,
             "bootstrap_samples": self.bootstrap_samples, "answer_batch_size": self.answer_batch_size,
             "judge_batch_size": self.judge_batch_size, "answerer": self.answerer_config,
         }
@@ -257,7 +258,8 @@ def run_evaluation(config: RunConfig, answerer: Answerer, judge_loader: JudgeLoa
     """Run (or resume) an evaluation into config.out; returns the summary."""
     validate(config)
     run_dir = prepare_run_dir(config)
-    benchmarks = [load_benchmark(spec, config.limit, config.seed, config.corpus) for spec in config.specs()]
+    benchmarks = [load_benchmark(spec, config.limit, config.seed, config.corpus, config.articles)
+                  for spec in config.specs()]
     files = [RecordFile(run_dir / name, key) for name, key in
              (("answers.jsonl", ANSWER_KEY), ("verdicts.jsonl", VERDICT_KEY), ("pairwise.jsonl", PAIR_KEY))]
     answers, verdicts, pairs = files
