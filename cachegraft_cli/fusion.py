@@ -30,12 +30,14 @@ class FusionEngine:
     """Computes prefix and passage caches for one (receiver, sharer, fuser) triple.
 
     With `fuser=None` (closed) the sharer is never run and the fused cache is
-    the receiver's own cache.
+    the receiver's own cache. A fuser with `sharer_input="zero"` (an adapter)
+    never runs the sharer either: it is fed zeros of the sharer geometry.
     """
 
     def __init__(self, receiver: LoadedModel, prefix_ids: list[int], sharer: LoadedModel | None = None, fuser=None):
         self.receiver = receiver
-        self.sharer = sharer if fuser is not None else None
+        self.zero_sharer = fuser is not None and getattr(fuser.spec, "sharer_input", "model") == "zero"
+        self.sharer = sharer if fuser is not None and not self.zero_sharer else None
         self.fuser = fuser
         self.prefix_ids = list(prefix_ids)
         self.aligner = None
@@ -59,8 +61,25 @@ class FusionEngine:
         if self.sharer is not None:
             sharer_kv = _extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
             fused = self.fuser.fuse(own, sharer_kv)
+        elif self.zero_sharer:
+            zeros = self.fuser.zero_sharer_kv(len(passages), max(lengths), own[0][0].dtype, own[0][0].device)
+            fused = self.fuser.fuse(own, zeros)
         return [
             PassageKV(_take(fused, i, lengths[i]), _take(own, i, lengths[i])) for i in range(len(passages))
+        ]
+
+    @torch.inference_mode()
+    def model_kv(self, passages: list[list[int]]) -> list[tuple[PlainKV, PlainKV | None]]:
+        """Unfused (receiver, sharer) passage KV, exactly what `fuse` feeds the fuser
+        (same prefix, positions and batching); sharer None when it is not run.
+        Training precomputes these once and reuses them every epoch."""
+        lengths = [len(p) for p in passages]
+        own = _extend(self.receiver, self._receiver_prefix, passages)
+        sharer = None
+        if self.sharer is not None:
+            sharer = _extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
+        return [
+            (_take(own, i, n), _take(sharer, i, n) if sharer is not None else None) for i, n in enumerate(lengths)
         ]
 
     def _sharer_ids(self, ids: list[int]) -> list[int]:

@@ -24,6 +24,7 @@ from cachegraft_cli.fuser.projector import ProjectorArgs
 OWN_CONFIG = "fuser.json"
 OWN_WEIGHTS = "fuser.safetensors"
 OWN_FORMAT = "cachegraft-fuser/1"
+SHARER_INPUT_KEY = "cachegraft_sharer_input"
 
 
 def detect_layout(path: Path) -> str:
@@ -81,12 +82,14 @@ def _spec_from_recipe(recipe: dict, layer_map) -> FuserSpec:
         layer_map=layer_map,
         alignment=bool(model.get("is_do_alignment", False)),
         alignment_strategy=model.get("alignment_strategy", "first"),
+        sharer_input=model.get(SHARER_INPUT_KEY, "model"),
         extra={k: v for k, v in recipe.items() if k != "model"} | {"model_extra": _model_extra(model)},
     )
 
 
 def _model_extra(model: dict) -> dict:
-    return {k: v for k, v in model.items() if k not in ("base_model", "teacher_model", "is_do_alignment", "alignment_strategy")}
+    skip = ("base_model", "teacher_model", "is_do_alignment", "alignment_strategy", SHARER_INPUT_KEY)
+    return {k: v for k, v in model.items() if k not in skip}
 
 
 def _recipe(fuser: Fuser) -> dict:
@@ -104,6 +107,8 @@ def _recipe(fuser: Fuser) -> dict:
         "alignment_strategy": s.alignment_strategy,
         **model_extra,
     }
+    if s.sharer_input != "model":  # cachegraft-specific: C2C loaders ignore unknown model keys
+        model[SHARER_INPUT_KEY] = s.sharer_input
     return {"model": model, **extra}
 
 
@@ -174,6 +179,7 @@ def save_own(fuser: Fuser, path: str | Path, extra: dict | None = None) -> None:
         "layer_map": {str(t): [list(x) for x in pairs] for t, pairs in sorted(fuser.spec.layer_map.items())},
         "projectors": [p.args.as_dict() for p in fuser.projectors],
         "recipe": fuser.spec.extra,
+        "sharer_input": fuser.spec.sharer_input,
         **(extra or {}),
     }
     _write_json(path / OWN_CONFIG, meta)
@@ -187,7 +193,8 @@ def load_own(path: Path) -> Fuser:
     if meta.get("format") != OWN_FORMAT:
         raise CheckpointError(f"{path / OWN_CONFIG}: unknown format {meta.get('format')!r}.", f"Expected {OWN_FORMAT}.")
     layer_map = {int(t): [(int(s), int(p)) for s, p in pairs] for t, pairs in meta["layer_map"].items()}
-    spec = FuserSpec(meta["receiver"], meta["sharer"], layer_map, meta["alignment"], meta["alignment_strategy"], meta.get("recipe", {}))
+    spec = FuserSpec(meta["receiver"], meta["sharer"], layer_map, meta["alignment"], meta["alignment_strategy"],
+                     meta.get("recipe", {}), meta.get("sharer_input", "model"))
     fuser = Fuser(spec, [ProjectorArgs(**a) for a in meta["projectors"]])
     file = path / OWN_WEIGHTS
     try:

@@ -22,6 +22,9 @@ class FuserSpec:
     alignment: bool = False
     alignment_strategy: str = "first"
     extra: dict = field(default_factory=dict)  # recipe fields kept for round trips
+    # "model": the sharer's KV feeds the fuser; "zero": zeros of the sharer geometry
+    # (a receiver-only adapter, the control that isolates the sharer's contribution).
+    sharer_input: str = "model"
 
 
 class Fuser(nn.Module):
@@ -32,12 +35,13 @@ class Fuser(nn.Module):
 
     @classmethod
     def create(
-        cls, receiver: str, sharer: str, rgeo: Geometry, sgeo: Geometry, *, alignment: bool = False, **proj_kwargs
+        cls, receiver: str, sharer: str, rgeo: Geometry, sgeo: Geometry, *, alignment: bool = False,
+        sharer_input: str = "model", **proj_kwargs
     ) -> "Fuser":
         """A fresh fuser with the default last-aligned map (closed gates)."""
         layer_map = last_aligned(rgeo.layers, sgeo.layers)
         args = ProjectorArgs(sgeo.head_dim, rgeo.head_dim, sgeo.kv_heads, rgeo.kv_heads, **proj_kwargs)
-        spec = FuserSpec(receiver, sharer, layer_map, alignment=alignment)
+        spec = FuserSpec(receiver, sharer, layer_map, alignment=alignment, sharer_input=sharer_input)
         return cls(spec, [ProjectorArgs(**args.as_dict()) for _ in range(rgeo.layers)])
 
     @property
@@ -54,6 +58,17 @@ class Fuser(nn.Module):
                     k, v = self._apply(projector, (k, v), sharer_kv[s])
             out.append((k, v))
         return out
+
+    @property
+    def zero_sharer(self) -> bool:
+        return self.spec.sharer_input == "zero"
+
+    def zero_sharer_kv(self, batch: int, tokens: int, dtype=None, device=None) -> PlainKV:
+        """Zeros in the sharer geometry the projectors expect (for `sharer_input="zero"`)."""
+        a = self.projectors[0].args
+        layers = 1 + max(s for pairs in self.spec.layer_map.values() for s, _ in pairs)
+        zero = torch.zeros(batch, a.source_num_heads, tokens, a.source_dim, dtype=dtype or self.dtype, device=device)
+        return [(zero, zero)] * layers
 
     def _apply(self, projector: C2CProjector, target, source):
         dtype = target[0].dtype

@@ -1,0 +1,158 @@
+"""Everything a run needs before its first step: models, template, data, items, caches."""
+
+from __future__ import annotations
+
+import gc
+import random
+from dataclasses import dataclass
+
+import torch
+
+from cachegraft_cli.errors import TrainingError
+from cachegraft_cli.training import data as data_mod
+from cachegraft_cli.training import objectives
+from cachegraft_cli.training.log import say
+
+
+@dataclass
+class Prepared:
+    receiver: object
+    template: object
+    sharer_geometry: object
+    train_items: list
+    val_items: list
+    train_keys: list[str]
+    val_keys: list[str]
+    bank: object
+    prefix: list  # batch-1 float32 receiver prefix KV
+    precompute_seconds: float
+    data_info: dict
+
+
+def load_models(config):
+    from cachegraft_cli.models import load_causal_lm
+
+    kw = dict(device=config.device or "cpu", dtype=config.model_dtype, trust_remote_code=config.trust_remote_code)
+    receiver = load_causal_lm(config.receiver, **kw)
+    sharer_kw = {**kw, "dtype": config.sharer_dtype or config.model_dtype}
+    sharer = load_causal_lm(config.sharer, **sharer_kw) if config.sharer_input == "model" else None
+    for lm in (receiver, sharer):
+        if lm is not None:
+            lm.model.requires_grad_(False)
+    return receiver, sharer, kw
+
+
+def sharer_geometry(config, sharer):
+    """The sharer's KV geometry; in zero mode read from its config alone (no weights load)."""
+    if sharer is not None:
+        return sharer.geometry
+    from transformers import AutoConfig
+
+    from cachegraft_cli.kvcache import model_geometry
+    from cachegraft_cli.models import resolve_source
+
+    source, gguf, _ = resolve_source(config.sharer)
+    try:
+        cfg = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code,
+                                         **({"gguf_file": gguf} if gguf else {}))
+    except OSError as exc:
+        raise TrainingError(f"Cannot read the sharer's config {config.sharer} ({exc}).",
+                            "The adapter needs the sharer's geometry: give a local dir or reachable hub id.") from None
+    return model_geometry(cfg)
+
+
+def needs_alignment(receiver, sharer) -> bool:
+    from cachegraft_cli.align import same_vocabulary
+
+    return sharer is not None and not same_vocabulary(receiver.tokenizer, sharer.tokenizer)
+
+
+def template_for(config, receiver):
+    from cachegraft_cli.template import DEFAULT_INSTRUCTION, PromptTemplate
+
+    return PromptTemplate.for_tokenizer(receiver.tokenizer, config.instruction or DEFAULT_INSTRUCTION)
+
+
+def select_passages(config, template, dataset, val_dataset):
+    """Tokenize, filter by length, split by passage (seeded), cap counts."""
+    ids = {k: template.passage_ids(p.title, p.text) for k, p in dataset.passages.items()}
+    if val_dataset is not None:
+        ids.update({k: template.passage_ids(p.title, p.text) for k, p in val_dataset.passages.items()})
+    ok = {k for k, v in ids.items() if 8 <= len(v) <= config.max_passage_tokens}
+    with_q = {q.passage for q in dataset.questions} | ({q.passage for q in val_dataset.questions} if val_dataset else set())
+    if config.objective == "qa":
+        ok &= with_q
+    if val_dataset is None:
+        train, val = data_mod.split_by_passage([k for k in dataset.passages if k in ok], config.val_fraction, config.seed)
+    else:
+        train = sorted(k for k in dataset.passages if k in ok)
+        random.Random(config.seed).shuffle(train)
+        val = sorted(k for k in val_dataset.passages if k in ok)
+        random.Random(config.seed + 1).shuffle(val)
+    train = train[: config.max_passages] if config.max_passages else train
+    val = val[: config.max_val_passages] if config.max_val_passages is not None else val
+    if not train:
+        raise TrainingError(
+            f"No usable training passages (need {'questions and ' if config.objective == 'qa' else ''}"
+            f"8..{config.max_passage_tokens} tokens).",
+            "Raise --max-passage-tokens or give more data.",
+        )
+    return ids, train, val
+
+
+def build_items(config, template, ids, keys, questions):
+    lengths = {k: len(ids[k]) for k in keys}
+    if config.objective == "qa":
+        return objectives.qa_items([q for q in questions if q.passage in lengths], template, lengths,
+                                   config.max_answer_tokens)
+    return objectives.lm_items({k: ids[k] for k in keys}, config.lm_fused_fraction, config.lm_target_tokens)
+
+
+def cap_items(items, limit, seed):
+    if limit is None or len(items) <= limit:
+        return items
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in sorted(order[:limit])]
+
+
+def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bool):
+    import time
+
+    from cachegraft_cli.config import cache_dir
+    from cachegraft_cli.fusion import FusionEngine
+    from cachegraft_cli.training.precompute import CacheBank, bank_identity
+
+    t0 = time.perf_counter()
+    engine = FusionEngine(receiver, template.prefix_ids(), sharer, fuser)
+    root = config.cache_dir or (cache_dir() / "train-caches")
+    bank = CacheBank(bank_identity(receiver, sharer, template, config.cache_dtype), config.cache_dtype,
+                     None if config.cache_dir == "none" else root)
+    bar = _bar(len(keys), progress)
+    computed = bank.fill(engine, {k: ids[k] for k in keys}, batch_size=4,
+                         progress=(lambda n, t: bar.update(n)) if bar else None)
+    if bar:
+        bar.close()
+    prefix = [(k.float().unsqueeze(0), v.float().unsqueeze(0)) for k, v in engine.prefix_kv()]
+    engine.sharer = None
+    del engine
+    gc.collect()
+    say(f"caches: {len(keys)} passages ({computed} computed, {len(keys) - computed} reused) in "
+        f"{time.perf_counter() - t0:.0f} s{f'; stored under {bank.dir}' if bank.dir else ''}")
+    return bank, prefix, time.perf_counter() - t0
+
+
+def _bar(total, enabled):
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="precompute caches", unit="passage", file=sys.stderr, dynamic_ncols=True)
+
+
+def free(model) -> None:
+    del model
+    gc.collect()
+    torch.set_grad_enabled(True)
