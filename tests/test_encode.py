@@ -103,26 +103,27 @@ def _encode_cmd(corpus, store, receiver, commit_every):
 
 def test_sigkill_mid_encode_then_rerun_equals_uninterrupted(tiny_dirs, tmp_path):
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in _passages(6)))
+    corpus.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in _passages(12)))
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_encode_cmd(corpus, killed, tiny_dirs["receiver"], 1), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     manifest = killed / "manifest.json"
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # start-up (torch import, model load) is slow on a loaded machine
     while time.time() < deadline and proc.poll() is None:
         if manifest.exists() and len(json.loads(manifest.read_text()).get("segments", [])) >= 2:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
+    assert proc.poll() is None, "encode finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = CacheStore.open(str(killed))
-    assert partial.verify()["ok"] and 2 <= len(partial) < 6
+    assert partial.verify()["ok"] and 2 <= len(partial) < 12
     subprocess.run(_encode_cmd(corpus, killed, tiny_dirs["receiver"], 1), env=env, check=True, capture_output=True)
     clean = tmp_path / "clean"
     subprocess.run(_encode_cmd(corpus, clean, tiny_dirs["receiver"], 100), env=env, check=True, capture_output=True)
     a, b = CacheStore.open(str(killed)), CacheStore.open(str(clean))
-    ids = [f"p{i}" for i in range(6)]
-    assert sorted(a.ids()) == ids and len(a) == 6 and a.verify()["ok"]
+    ids = [f"p{i}" for i in range(12)]
+    assert sorted(a.ids()) == sorted(ids) and len(a) == 12 and a.verify()["ok"]
     for x, y in zip(a.read(ids), b.read(ids)):
         assert np.array_equal(x, y)
