@@ -37,6 +37,7 @@ def encode(
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
     from cachegraft_cli.corpus import read_corpus
     from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.progress import EncodeProgress
     from cachegraft_cli.session import ModelChoice, ModelSession
 
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
@@ -47,7 +48,7 @@ def encode(
     if choice.fuser in (None, "closed"):
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
-    with _progress(len(passages)) as bar:
+    with EncodeProgress(len(passages)) as bar:
         summary = encode_corpus(passages, store, ModelSession(choice), options, progress=bar)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
@@ -55,29 +56,6 @@ def encode(
         emit_json(summary.as_dict())
     else:
         _print(summary)
-
-
-class _progress:
-    """tqdm on stderr: passages, tokens/s, ETA."""
-
-    def __init__(self, total: int):
-        self.total = total
-
-    def __enter__(self):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, unit="passage", desc="encode", dynamic_ncols=True, leave=True)
-        self.tokens = 0
-        return self
-
-    def __call__(self, passages: int, tokens: int) -> None:
-        self.tokens += tokens
-        elapsed = self.bar.format_dict.get("elapsed") or 1e-9
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
-        self.bar.update(passages)
-
-    def __exit__(self, *exc):
-        self.bar.close()
 
 
 def _print(s) -> None:

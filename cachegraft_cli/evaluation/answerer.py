@@ -73,13 +73,15 @@ class StoreAnswerer:
         from cachegraft_cli.corpus import Passage
         from cachegraft_cli.encode import EncodeOptions, encode_corpus
         from cachegraft_cli.indexing import build_store_index
+        from cachegraft_cli.progress import EncodeProgress
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
         for fuser in self._fusers():
             url = self._store_url(benchmark_name, fuser)
             options = EncodeOptions(self.config.codec, self.config.encode_batch_size, also_own_cache=own)
-            encode_corpus(rows, url, self._session(fuser), options)
+            with EncodeProgress(len(rows), f"encode {benchmark_name}") as bar:
+                encode_corpus(rows, url, self._session(fuser), options, progress=bar)
             build_store_index(url, self.config.index_kind)
 
     def _fusers(self) -> list[str | None]:
