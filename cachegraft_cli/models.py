@@ -161,7 +161,8 @@ def model_identity(spec: str, source: str, gguf: str | None, kind: str, model) -
     config and the safetensors headers (names, shapes, dtypes, byte offsets)
     plus the hub commit when there is one; a pulled model adds its pinned sha256.
     """
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _PATH_KEYS}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     revision = getattr(model.config, "_commit_hash", None)
     for file in _weight_files(source, gguf, kind):
         h.update(_weights_header(file))
@@ -171,6 +172,9 @@ def model_identity(spec: str, source: str, gguf: str | None, kind: str, model) -
     if revision:
         ident["revision"] = revision
     return ident
+
+
+_PATH_KEYS = ("_name_or_path", "name_or_path", "_commit_hash")  # where the copy lives, not what it is
 
 
 def _weight_files(source: str, gguf: str | None, kind: str) -> list[Path]:
