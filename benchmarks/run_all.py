@@ -1,0 +1,119 @@
+"""Run the whole benchmark suite with small sizes and print one combined table + JSON line.
+
+Each benchmark runs in its own process (its table goes to stdout as it
+finishes); this script keeps each one's final JSON line and checks the
+targets. Sizes are chosen to fit in about 15 minutes on a 2-core machine once
+the shared stores exist (the first run also encodes them: add ~5-10 minutes);
+the individual scripts take larger sizes for tighter figures.
+
+    python benchmarks/run_all.py [--only p1,p2,p3,p4,p6,batch] [--skip ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench_common as bc
+
+HERE = Path(__file__).resolve().parent
+
+# (key, script, small-size arguments)
+SUITE = [
+    ("p1", "p1_ttft.py", ["--questions", "3", "--repeats", "2"]),
+    ("p2", "fuse_speed.py", ["--n", "8", "--batch-sizes", "1,4", "--no-bf16-fuser"]),
+    ("p3", "p3_codecs.py", ["--questions", "30"]),
+    ("p4", "p4_p5_store_scale.py", ["--repeats", "10", "--append-repeats", "2"]),
+    ("p6", "p6_memory.py", ["--repeats", "1"]),
+    ("batch", "batch_throughput.py", ["--questions", "32", "--max-new-tokens", "8"]),
+]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="")
+    ap.add_argument("--skip", default="")
+    return ap.parse_args(argv)
+
+
+def run(script: str, extra: list[str]) -> tuple[dict | None, float, int]:
+    """(last JSON line or None, seconds, exit code); the child's table passes through to stdout."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(HERE / script), *extra], stdout=subprocess.PIPE, text=True)
+    print(proc.stdout, end="", flush=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return (json.loads(lines[-1]) if lines else None), time.perf_counter() - t0, proc.returncode
+
+
+def figures(key: str, out: dict) -> list[tuple[str, float | str, str, str]]:
+    """(figure, value, target, verdict) rows of one benchmark's JSON."""
+    if key == "p1":
+        r = out["ratios"]
+        return [("P1 TTFT text/graft", r["text/graft"], ">= 12", _v(r["text/graft"] >= 12)),
+                ("P1 TTFT sharer-text/graft", r["sharer-text/graft"], ">= 40", _v(r["sharer-text/graft"] >= 40)),
+                ("P4a read/stored bytes (real store)", out["p4_read_ratio_real"]["median"], "<= 1.5",
+                 _v(out["p4_read_ratio_real"]["median"] <= 1.5))]
+    if key == "p2":
+        rows = []
+        for bs, res in out["results"].items():
+            for name, value in res["ratios"].items():
+                rows.append((f"P2 {name} batch {bs}", value, "<= 1.10", _v(value <= 1.10)))
+        return rows
+    if key == "p3":
+        rows = []
+        for c, t in out["targets"].items():
+            ratio, drop = out["sizes"][c]["ratio"], -out["deltas"][c]["delta_pts"]
+            rows.append((f"P3 {c} bytes/raw bf16", ratio, f"<= {t['bytes_ratio']}", _v(ratio <= t["bytes_ratio"])))
+            rows.append((f"P3 {c} F1 drop (pts, {out['questions']} q)", drop, f"<= {t['f1_drop_pts']}",
+                         _v(drop <= t["f1_drop_pts"])))
+        return rows
+    if key == "p4":
+        r = out["ratios"]
+        return [("P4a read/stored bytes (synthetic big)", r["p4_read_ratio"], "<= 1.5", _v(r["p4_read_ratio"] <= 1.5)),
+                ("P4b ask-like latency 100k/1k", r["p4_latency_big/small"], "<= 1.1", _v(r["p4_latency_big/small"] <= 1.1)),
+                ("P5 append 1k: 100k/empty", r["p5_append_big/empty"], "<= 1.1", _v(r["p5_append_big/empty"] <= 1.1)),
+                ("P5' index update after append: 100k/empty", r["p5_index_update_big/empty"], "-", "reported")]
+    if key == "p6":
+        m = out["median"]
+        return [(f"P6 ask peak RSS {s} (MiB)", m[s]["ask_peak_mib"], "-", "reported") for s in m] + \
+               [(f"P6 {k}", v, "-", "reported") for k, v in out["ratios"].items()]
+    if key == "batch":
+        return [(f"batch {b} questions/s", v, "-", "reported") for b, v in out["qps"].items()]
+    return []
+
+
+def _v(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    only = set(filter(None, args.only.split(",")))
+    skip = set(filter(None, args.skip.split(",")))
+    results, rows, seconds = {}, [], {}
+    for key, script, extra in SUITE:
+        if (only and key not in only) or key in skip:
+            continue
+        if not (HERE / script).exists():
+            rows.append((f"{key}: {script}", "missing", "-", "not run"))
+            continue
+        bc.log(f"running {script} {' '.join(extra)}")
+        out, seconds[key], rc = run(script, extra)
+        results[key] = out
+        if rc or out is None:
+            rows.append((f"{key}: {script}", f"exit {rc}", "-", "FAILED"))
+            continue
+        rows += figures(key, out)
+    bc.print_table(f"CacheGraft benchmark suite (seconds per benchmark: { {k: round(v) for k, v in seconds.items()} })",
+                   ["figure", "value", "target", "verdict"], [list(r) for r in rows])
+    bc.emit({"bench": "run_all", "figures": [{"figure": f, "value": v, "target": t, "verdict": d} for f, v, t, d in rows],
+             "seconds": seconds, "machine_end": bc.machine()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
