@@ -2,6 +2,8 @@
 
 Systems (DESIGN.md section 6), all with the same template and ids:
 - graft: the receiver with fused passage caches (no sharer is loaded);
+- adapter: the same, from a store encoded with an adapter fuser (trained with
+  the sharer's input zeroed): isolates task adaptation from the sharer;
 - cache: the receiver with its own stored passage caches (`encode --also-own-cache`);
 - text: the receiver with the passages pasted as text;
 - closed: the receiver with no passages;
@@ -22,10 +24,10 @@ from typing import Callable
 from cachegraft_cli.errors import NoPassagesError, UsageError
 from cachegraft_cli.generation import GenerationConfig
 
-SYSTEMS = ("graft", "cache", "text", "closed", "sharer-text")
+SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
 SCHEMES = ("rotate", "shared")
 DEFAULT_SCHEME = "rotate"
-CACHE_KIND = {"graft": "fused", "cache": "own"}
+CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}
 
 
 @dataclass
@@ -94,8 +96,20 @@ class Asker:
         if system in CACHE_KIND:
             self._prefix, self._rotator
 
+    def check_system(self, system: str) -> None:
+        """`graft` and `adapter` name what the store's fuser is; refuse the wrong one."""
+        fuser = self.store.identity.get("fuser") or {}
+        is_adapter = fuser.get("sharer_input") == "zero"
+        if system == "adapter" and not is_adapter:
+            raise UsageError(f"Store {self.store_url} was not encoded with an adapter fuser.",
+                             "Encode a store with --fuser <adapter dir> (train-fuser --sharer-input zero) for this system.")
+        if system == "graft" and is_adapter:
+            raise UsageError(f"Store {self.store_url} holds adapter caches (its fuser never saw the sharer).",
+                             "Ask it with --system adapter, or use a store encoded with a sharer-fed fuser.")
+
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
         options.check()
+        self.check_system(options.system)
         if not question.strip():
             raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
         t0 = time.perf_counter()
@@ -137,6 +151,7 @@ class Asker:
         from cachegraft_cli.generation import generate_batch
 
         options.check()
+        self.check_system(options.system)
         results = []
         for i in range(0, len(questions), batch_size):
             chunk = questions[i : i + batch_size]

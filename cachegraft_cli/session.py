@@ -78,17 +78,28 @@ class ModelSession:
         if "_engine" not in self.__dict__:
             from cachegraft_cli.fusion import FusionEngine
 
-            sharer = self.sharer if self.fuser is not None else None
+            sharer = self.sharer if self._runs_sharer() else None
             self._engine = FusionEngine(self.receiver, self.template.prefix_ids(), sharer, self.fuser)
         return self._engine
 
+    def _runs_sharer(self) -> bool:
+        """Only an open fuser fed by the sharer needs it; an adapter is fed zeros."""
+        return self.fuser is not None and getattr(self.fuser.spec, "sharer_input", "model") != "zero"
+
+    def _fuser_identity(self) -> dict | None:
+        if self.fuser is None:
+            return None
+        ident = {"name": self.choice.fuser, "fingerprint": self.fuser.fingerprint()[:32]}
+        if not self._runs_sharer():
+            ident["sharer_input"] = "zero"
+        return ident
+
     def identity(self, codec: str) -> dict:
         """What the store's caches depend on; a store made otherwise is refused."""
-        fuser = self.fuser
         return {
             "receiver": self.receiver.identity,
-            "sharer": self.sharer.identity if fuser is not None else None,
-            "fuser": {"name": self.choice.fuser, "fingerprint": fuser.fingerprint()[:32]} if fuser is not None else None,
+            "sharer": self.sharer.identity if self._runs_sharer() else None,
+            "fuser": self._fuser_identity(),
             "template": self.template.identity(),
             "prefix_token_ids": self.template.prefix_ids(),
             "position_scheme": POSITION_SCHEME,

@@ -185,3 +185,31 @@ def test_empty_store_and_changed_receiver(tiny_dirs, tmp_path, capsys, monkeypat
 def test_debug_flag_shows_traceback(tmp_path, capsys, monkeypatch):
     code, _, err = run(capsys, monkeypatch, "--debug", "ask", "q", "--store", tmp_path / "nope")
     assert code == 5 and "Traceback" in err
+
+
+def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_models, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import cachegraft_cli.models as models
+    from cachegraft_cli.fuser.checkpoint import save_own
+    from cachegraft_cli.fuser.fuser import Fuser
+
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    torch.manual_seed(1)
+    adapter = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, sharer_input="zero", hidden_dim=16, intermediate_dim=16)
+    adapter.set_gates(1.0)
+    save_own(adapter, tmp_path / "adapter")
+    loaded = []
+    real = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"],
+            "--sharer", tiny_dirs["sharer_same"], "--fuser", tmp_path / "adapter")
+    run(capsys, monkeypatch, "index", "--store", store)
+    code, out, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "adapter", "--json",
+                         "--max-new-tokens", 4)
+    assert code == 0, err
+    assert json.loads(out)["system"] == "adapter"
+    assert str(tiny_dirs["sharer_same"]) not in loaded  # neither encode nor ask ran the sharer
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "graft")
+    assert code == 2 and "--system adapter" in err

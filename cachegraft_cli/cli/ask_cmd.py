@@ -14,7 +14,7 @@ def ask(
     question: Annotated[Optional[str], typer.Argument(help="The question (or use --questions).")] = None,
     store: StoreOpt = ...,
     k: TopKOpt = 3,
-    system: Annotated[str, typer.Option(help="graft, cache, text, closed or sharer-text.")] = "graft",
+    system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
     scheme: Annotated[str, typer.Option(help="Position scheme for stored caches: rotate or shared.")] = "rotate",
     questions: Annotated[
         Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
@@ -43,6 +43,7 @@ def ask(
     asker = Asker(store, overrides, index_kind)
     options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed))
     options.check()
+    asker.check_system(system)
     _note_closed_fuser(asker, system)
     asker.warm(system)
     if questions is not None:

@@ -104,9 +104,8 @@ class StoreAnswerer:
         from cachegraft_cli.generation import GenerationConfig
 
         asker = self._asker(benchmark_name, system)
-        ask_system = "graft" if system == "adapter" else system
-        options = AskOptions(ask_system, max(k, 1), self.config.scheme, GenerationConfig(self.config.max_new_tokens))
-        asker.warm(ask_system)
+        options = AskOptions(system, max(k, 1), self.config.scheme, GenerationConfig(self.config.max_new_tokens))
+        asker.warm(system)
         out = []
         for q in questions:
             before = asker.store.stats_bytes_read
