@@ -31,6 +31,7 @@ def parse_args(argv):
     ap.add_argument("--passages", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--use-store", default=None, help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
     return ap.parse_args(argv)
 
 
@@ -52,7 +53,10 @@ def main(argv=None) -> int:
     from cachegraft_cli.ask import Asker, AskOptions
     from cachegraft_cli.generation import GenerationConfig
 
-    url, session, _, questions = bc.real_store(args.passages, args.seed)
+    if args.use_store:
+        url, session, (_, questions) = args.use_store, bc.session_for("closed"), bc.store_data(args.use_store)
+    else:
+        url, session, _, questions = bc.real_store(args.passages, args.seed)
     questions = [q.question for q in questions[: args.questions]]
     asker = Asker(url, session=session)
     asker.warm(args.system)

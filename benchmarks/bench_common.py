@@ -152,6 +152,15 @@ def real_store(n_passages: int, seed: int = 0, fuser: str = "random"):
     return url, session, passages, questions
 
 
+def store_data(url: str, seed: int = 0):
+    """(passages, SQuAD questions about them) of an existing store of SQuAD paragraphs."""
+    from cachegraft_cli.store import CacheStore
+
+    ids = set(CacheStore.open(url).ids())
+    passages, questions = squad_sample(10**9, seed)
+    return [p for p in passages if p.id in ids], [q for q in questions if q.gold in ids]
+
+
 def stored_bytes(store, ids: list[str], kind: str = "fused") -> float:
     """Stored (compressed) bytes of passages: their tokens times their segment's bytes per token."""
     total = 0.0

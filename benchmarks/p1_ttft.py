@@ -33,6 +33,9 @@ def parse_args(argv):
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fuser", default="random", help="random (open gates) | closed: encodes without the sharer "
+                    "and the random fuser, for machines short of memory; graft's ask path is the same")
+    ap.add_argument("--store", default=None, help="use this existing store (e.g. one p3_codecs.py made)")
     return ap.parse_args(argv)
 
 
@@ -69,7 +72,11 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     from cachegraft_cli.ask import Asker
 
-    url, session, passages, questions = bc.real_store(args.passages, args.seed)
+    if args.store:
+        url, session = args.store, bc.session_for("closed")
+        passages, questions = bc.store_data(url)
+    else:
+        url, session, passages, questions = bc.real_store(args.passages, args.seed, args.fuser)
     questions = questions[: args.questions]
     asker = Asker(url, session=session)
     for s in SYSTEMS:

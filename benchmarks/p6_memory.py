@@ -35,6 +35,7 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--use-store", default=None, help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--question", default=None, help=argparse.SUPPRESS)
@@ -83,8 +84,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
-    url = bc.real_store_url(args.passages, args.seed)
-    _, questions = bc.real_data(args.passages, args.seed)
+    url = args.use_store or bc.real_store_url(args.passages, args.seed)
+    _, questions = bc.store_data(url) if args.use_store else bc.real_data(args.passages, args.seed)
     if not os.path.exists(url):
         bc.real_store(args.passages, args.seed)
     start_machine = bc.machine()
