@@ -133,7 +133,7 @@ def encode_corpus(
 def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
     """Read and check everything before writing anything; drop what is already stored
     (same id, same content hash: identical text under two ids is stored twice)."""
-    known = {row.id: row.content_hash for row in store.rows()}
+    known = store.content_hashes()
     todo: list[Chunk] = []
     seen: set[str] = set()
     for passage in passages:

@@ -24,7 +24,7 @@ def store_docs(store):
 def store_fingerprint(store) -> str:
     from cachegraft_cli.retrieval import passage_fingerprint
 
-    return passage_fingerprint((r.id, r.content_hash) for r in store.rows())
+    return passage_fingerprint(store.content_hashes().items())
 
 
 def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:

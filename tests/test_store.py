@@ -216,3 +216,17 @@ def test_info_reports_geometry_models_and_segments(url, rng):
     assert (info["passages"], info["tokens"]) == (6, 60)
     assert [s["rows"] for s in info["segments"]["list"]] == [4, 2] and info["segments"]["count"] == 2
     assert info["bytes"]["total"] > 0 and info["bytes_per_token"]["fused"] > 0
+
+
+def test_content_hashes_come_from_the_index_tables(tmp_path):
+    from cachegraft_cli.store import CacheStore, PassageRow
+
+    geometry = {"layers": 1, "kv_heads": 1, "head_dim": 4}
+    identity = {"receiver": None, "sharer": None, "fuser": None, "template": {}, "prefix_token_ids": [1],
+                "position_scheme": "canonical", "dtype": "float32", "codec": "float32", "geometry": geometry}
+    store = CacheStore.create(str(tmp_path / "s"), identity, np.zeros((1, 1, 2, 1, 4), np.float32))
+    with store.writer() as w:
+        w.add(PassageRow("a", text="x", content_hash="h1"), {"fused": np.ones((2, 1, 2, 1, 4), np.float32)})
+    reopened = CacheStore.open(str(tmp_path / "s"))
+    assert reopened.content_hashes() == {"a": "h1"}
+    assert all(t.content is None for t in reopened._tables)  # no text was loaded

@@ -97,6 +97,10 @@ class CacheStore:
         segments.load_content(self.loc, self._tables)
         return [self._tables[ti].row(ri) for ti, ri in self._where.values()]
 
+    def content_hashes(self) -> dict[str, str]:
+        """id -> content hash of every committed row, from the index tables only (no text is read)."""
+        return {pid: self._tables[ti].index["content_hash"][ri] for pid, (ti, ri) in self._where.items()}
+
     def get_rows(self, ids: list[str]) -> list[PassageRow]:
         found = [self._locate(pid) for pid in ids]
         segments.load_content(self.loc, [self._tables[ti] for ti in sorted({ti for ti, _ in found})])
