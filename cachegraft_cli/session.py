@@ -49,9 +49,18 @@ class ModelSession:
 
     @cached_property
     def fuser(self):
-        from cachegraft_cli.fuser import load_fuser
+        """The fuser on the receiver's device; float32 on CPUs without fast bf16 (3x faster there)."""
+        import torch
 
-        return load_fuser(self.choice.fuser)
+        from cachegraft_cli.fuser import load_fuser
+        from cachegraft_cli.models import cpu_has_fast_bf16
+
+        fuser = load_fuser(self.choice.fuser)
+        if fuser is not None:
+            device = self.receiver.device
+            slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
+            fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)
+        return fuser
 
     @cached_property
     def sharer(self):

@@ -220,3 +220,12 @@ def test_fuser_cli_info_and_convert(tmp_path, capsys, monkeypatch):
     assert info["open_gates"] == "4 key / 4 value of 4"
     code, (_, err) = cli("fuser", "convert", tmp_path / "pub", tmp_path / "x", "--to", "pickle")
     assert code == 2 and "--to own" in err
+
+
+def test_fuser_moves_and_casts_like_any_module():
+    fuser = Fuser.create("r", "s", Geometry(2, 1, 8), Geometry(2, 1, 8), hidden_dim=8, intermediate_dim=8)
+    assert not fuser.training  # a new fuser is ready for inference
+    fuser.to(torch.bfloat16)
+    assert fuser.dtype == torch.bfloat16
+    fuser.to("cpu").float()
+    assert fuser.dtype == torch.float32

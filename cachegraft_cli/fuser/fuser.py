@@ -38,11 +38,11 @@ class Fuser(nn.Module):
         cls, receiver: str, sharer: str, rgeo: Geometry, sgeo: Geometry, *, alignment: bool = False,
         sharer_input: str = "model", **proj_kwargs
     ) -> "Fuser":
-        """A fresh fuser with the default last-aligned map (closed gates)."""
+        """A fresh fuser with the default last-aligned map (closed gates), in eval mode."""
         layer_map = last_aligned(rgeo.layers, sgeo.layers)
         args = ProjectorArgs(sgeo.head_dim, rgeo.head_dim, sgeo.kv_heads, rgeo.kv_heads, **proj_kwargs)
         spec = FuserSpec(receiver, sharer, layer_map, alignment=alignment, sharer_input=sharer_input)
-        return cls(spec, [ProjectorArgs(**args.as_dict()) for _ in range(rgeo.layers)])
+        return cls(spec, [ProjectorArgs(**args.as_dict()) for _ in range(rgeo.layers)]).eval()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,7 +55,7 @@ class Fuser(nn.Module):
             for s, p in self.spec.layer_map.get(t, []):
                 projector = self.projectors[p]
                 if projector.training or any(projector.gates().values()):  # a closed projector adds exactly 0
-                    k, v = self._apply(projector, (k, v), sharer_kv[s])
+                    k, v = self._fuse_layer(projector, (k, v), sharer_kv[s])
             out.append((k, v))
         return out
 
@@ -70,7 +70,7 @@ class Fuser(nn.Module):
         zero = torch.zeros(batch, a.source_num_heads, tokens, a.source_dim, dtype=dtype or self.dtype, device=device)
         return [(zero, zero)] * layers
 
-    def _apply(self, projector: C2CProjector, target, source):
+    def _fuse_layer(self, projector: C2CProjector, target, source):
         dtype = target[0].dtype
         cast = lambda pair: tuple(x.to(self.dtype) for x in pair)  # noqa: E731
         k, v = projector(cast(source), cast(target))
