@@ -191,7 +191,7 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
 
     for chunk, kv in zip(batch, session.engine().fuse([c.ids for c in batch])):
         caches = {"fused": kvcache.to_token_major(kv.fused)}
-        if options.also_own_cache:
+        if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)
         writer.add(_row(chunk), caches)
         summary.added += 1

@@ -118,12 +118,24 @@ class ModelSession:
         }
 
     def open_or_create_store(self, url: str, codec: str, also_own_cache: bool):
+        """A store for these models: created, or reopened (identity checked). A store
+        that already keeps own caches goes on keeping them, asked or not."""
         from cachegraft_cli import kvcache
+        from cachegraft_cli.errors import StoreNotFoundError
         from cachegraft_cli.store import CacheStore
 
         kinds = ("fused", "own") if also_own_cache else ("fused",)
+        try:
+            existing = CacheStore.open(url).kinds
+        except StoreNotFoundError:
+            existing = ()
+        if existing and not set(kinds) <= set(existing):
+            raise StoreMismatchError(
+                f"Store {url} was made without own caches, so --also-own-cache cannot add them now.",
+                "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
+            )
         prefix = kvcache.to_token_major(self.engine().prefix_kv())
-        return CacheStore.create(url, self.identity(codec), prefix, kinds)
+        return CacheStore.create(url, self.identity(codec), prefix, existing or kinds)
 
 
 def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:

@@ -127,3 +127,15 @@ def test_sigkill_mid_encode_then_rerun_equals_uninterrupted(tiny_dirs, tmp_path)
     assert sorted(a.ids()) == sorted(ids) and len(a) == 12 and a.verify()["ok"]
     for x, y in zip(a.read(ids), b.read(ids)):
         assert np.array_equal(x, y)
+
+
+def test_store_with_own_caches_keeps_them_and_cannot_gain_them(session, tmp_path):
+    url = str(tmp_path / "s")
+    encode_corpus(_passages(1), url, session, EncodeOptions(codec="float32", also_own_cache=True))
+    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))  # own caches written anyway
+    store = CacheStore.open(url)
+    assert store.kinds == ("fused", "own") and len(store.read(["p1"], kind="own")) == 1
+    plain = str(tmp_path / "plain")
+    encode_corpus(_passages(1), plain, session, EncodeOptions(codec="float32"))
+    with pytest.raises(StoreMismatchError, match="without own caches"):
+        encode_corpus(_passages(2), plain, session, EncodeOptions(codec="float32", also_own_cache=True))
