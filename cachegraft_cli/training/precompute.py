@@ -67,9 +67,13 @@ class CacheBank:
     def tokens(self, key: str) -> int:
         return self.own[key].shape[3]
 
+    def missing(self, keys) -> list[str]:
+        """Keys neither in memory nor loadable from the cache directory (loads those that are)."""
+        return [k for k in keys if not self.has(k) and not self._load(k)]
+
     def fill(self, engine, ids: dict[str, list[int]], batch_size: int = 8, progress: Callable | None = None) -> int:
         """Load or compute every passage in `ids` (key -> token ids); returns how many were computed."""
-        todo = [k for k in ids if not self.has(k) and not self._load(k)]
+        todo = self.missing(ids)
         todo.sort(key=lambda k: len(ids[k]))  # length buckets: little padding per batch
         for start in range(0, len(todo), batch_size):
             keys = todo[start : start + batch_size]

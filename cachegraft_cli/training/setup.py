@@ -128,7 +128,7 @@ def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bo
     root = config.cache_dir or (cache_dir() / "train-caches")
     bank = CacheBank(bank_identity(receiver, sharer, template, config.cache_dtype), config.cache_dtype,
                      None if config.cache_dir == "none" else root)
-    bar = _bar(len(keys), progress)
+    bar = _bar(len(bank.missing(keys)), progress)
     computed = bank.fill(engine, {k: ids[k] for k in keys}, batch_size=4,
                          progress=(lambda n, t: bar.update(n)) if bar else None)
     if bar:
