@@ -252,3 +252,11 @@ def test_cli_train_fuser(tiny_dirs, squad_file, tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 2
     assert load_checkpoint(tmp_path / "cli").spec.alignment is True  # different tokenizers
+
+
+def test_lm_objective_on_plain_text(tiny_dirs, tmp_path):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"title": t, "text": x}) + "\n" for t, x in PASSAGES))
+    summary = run(_config(tiny_dirs, texts, tmp_path / "lm", objective="lm", max_steps=2), progress=False)
+    assert summary["steps"] == 2 and summary["data"]["train_items"] >= 2
+    assert summary["closed_val_nll"] > 0

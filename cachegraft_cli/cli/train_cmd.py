@@ -75,6 +75,12 @@ def train_fuser(
         resume=resume, allow_eval_sets=allow_eval_sets, model_dtype=model_dtype, sharer_dtype=sharer_dtype, instruction=instruction,
         device=device, trust_remote_code=trust_remote_code,
     )
+    import signal
+
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` checkpoints like Ctrl-C (background jobs ignore SIGINT)
     try:
         summary = run(config, progress=not quiet)
     except KeyboardInterrupt:
