@@ -67,7 +67,8 @@ class ModelSession:
         if not self.choice.sharer:
             from cachegraft_cli.errors import UsageError
 
-            raise UsageError("This needs a sharer model, and none is configured.", "Pass --sharer or --preset.")
+            raise UsageError("This needs a sharer model, and none is configured (the store ran no sharer).",
+                             "Pass --sharer MODEL (hub id, local dir or .gguf).")
         return self._load(self.choice.sharer)
 
     @cached_property
@@ -147,9 +148,9 @@ def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSessi
         fuser=None,
         instruction=ident["template"]["instruction"],
     )
-    if overrides is not None:
-        choice = replace(choice, device=overrides.device, dtype=overrides.dtype or ident["dtype"],
-                         trust_remote_code=overrides.trust_remote_code)
+    if overrides is not None:  # --sharer names the sharer-text model when the store ran none (closed fuser)
+        choice = replace(choice, sharer=overrides.sharer or choice.sharer, device=overrides.device,
+                         dtype=overrides.dtype or ident["dtype"], trust_remote_code=overrides.trust_remote_code)
     else:
         choice = replace(choice, dtype=ident["dtype"])
     session = ModelSession(choice)

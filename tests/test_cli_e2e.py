@@ -161,6 +161,12 @@ def test_error_exit_codes(tiny_dirs, tmp_path, capsys, monkeypatch):
     code, _, err = run(capsys, monkeypatch, "encode", corpus, "--store", store, "--receiver", tiny_dirs["sharer_same"],
                        "--dtype", "float32", "--codec", "float32")
     assert code == 5 and "receiver" in err
+    # sharer-text on a store that ran no sharer needs --sharer
+    code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "sharer-text")
+    assert code == 2 and "--sharer" in err
+    code, out, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "sharer-text",
+                         "--sharer", tiny_dirs["sharer_same"], "--json", "--max-new-tokens", 3)
+    assert code == 0 and json.loads(out)["system"] == "sharer-text", err
     # neither a question nor --questions
     code, _, err = run(capsys, monkeypatch, "ask", "--store", store)
     assert code == 2 and "hint:" in err

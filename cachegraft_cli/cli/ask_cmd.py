@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, JsonOpt, StoreOpt, TopKOpt, TrustOpt
+from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, JsonOpt, SharerOpt, StoreOpt, TopKOpt, TrustOpt
 from cachegraft_cli.cli.output import emit_json, log
 
 
@@ -25,6 +25,7 @@ def ask(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     show_passages: Annotated[bool, typer.Option(help="Print the retrieved sources after the answer.")] = False,
+    sharer: SharerOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -39,7 +40,7 @@ def ask(
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
-    overrides = ModelChoice("", None, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    overrides = ModelChoice("", sharer, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     asker = Asker(store, overrides, index_kind)
     options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed))
     options.check()
