@@ -11,7 +11,7 @@ from cachegraft_cli.fuser.checkpoint import load_checkpoint, save_published
 from cachegraft_cli.fusion import FusionEngine
 from cachegraft_cli.template import PromptTemplate
 from cachegraft_cli.training import TrainConfig, fusermodel, objectives
-from cachegraft_cli.training.data import Passage, QAPair
+from cachegraft_cli.training.data import QAPair
 from cachegraft_cli.training.loop import run
 from cachegraft_cli.training.precompute import CacheBank, bank_identity
 

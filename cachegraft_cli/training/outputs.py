@@ -7,7 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import torch
 
 from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.projector import ProjectorArgs
