@@ -1,0 +1,34 @@
+"""Slow: the real offline receiver from ../shared/models/fetch.sh (skipped when absent)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+RECEIVER = os.environ.get("CACHEGRAFT_TEST_RECEIVER", "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path(RECEIVER or "/nonexistent").is_dir(), reason="CACHEGRAFT_TEST_RECEIVER not set"),
+]
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus.jsonl"
+
+
+def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
+    from cachegraft_cli.ask import AskOptions, Asker
+    from cachegraft_cli.corpus import read_corpus
+    from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.session import ModelChoice, ModelSession
+
+    passages = [p for p in read_corpus(SAMPLE) if p.id.startswith("harrowmere")]
+    session = ModelSession(ModelChoice(RECEIVER, None, "closed", device="cpu", dtype="float32"))
+    url = str(tmp_path / "store")
+    encode_corpus(passages, url, session, EncodeOptions(codec="float32"))
+    build_store_index(url)
+    asker = Asker(url, session=session)
+    question = "Who led the peat cutters that founded Harrowmere?"
+    answers = {s: asker.ask(question, AskOptions(s, 1, generation=GenerationConfig(12)))["answer"] for s in ("graft", "text")}
+    assert "Odile Varran" in answers["graft"], json.dumps(answers)
+    assert answers["graft"] == answers["text"]
