@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable
 
 from cachegraft_cli.corpus import Passage
@@ -55,6 +56,13 @@ class Chunk:
     block: str
     index: int | None = None
     span: tuple[int, int] | None = None
+
+    @cached_property
+    def content_hash(self) -> str:
+        """sha256 of the exact block the cache is computed from."""
+        from cachegraft_cli.store import content_hash_of
+
+        return content_hash_of(self.block)
 
     @property
     def id(self) -> str:
@@ -141,7 +149,7 @@ def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSumm
         chunks = split_passage(passage, template, options.max_passage_tokens)
         summary.chunks_split += len(chunks) - 1
         for chunk in chunks:
-            digest = _hash(chunk)
+            digest = chunk.content_hash
             _check_changed(chunk, known, digest)
             if known.get(chunk.id) == digest or chunk.id in seen:  # stored already, or a repeat in this corpus
                 summary.skipped_existing += 1
@@ -149,12 +157,6 @@ def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSumm
             seen.add(chunk.id)
             todo.append(chunk)
     return todo
-
-
-def _hash(chunk: Chunk) -> str:
-    from cachegraft_cli.store import content_hash_of
-
-    return content_hash_of(chunk.block)
 
 
 def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
@@ -209,7 +211,7 @@ def _row(chunk: Chunk):
         id=chunk.id,
         title=p.title,
         text=chunk.text,
-        content_hash=_hash(chunk),
+        content_hash=chunk.content_hash,
         metadata=meta,
         parent_id=p.id if chunk.index is not None else None,
         chunk_index=chunk.index,

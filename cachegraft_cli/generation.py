@@ -35,13 +35,22 @@ class Generation:
 
 
 def stop_ids(lm) -> set[int]:
+    """End-of-turn ids of a model, worked out once per loaded model (asked every answer)."""
+    cached = getattr(lm, "_stop_ids", None)
+    if cached is None:
+        cached = lm._stop_ids = _find_stop_ids(lm)
+    return cached
+
+
+def _find_stop_ids(lm) -> set[int]:
     ids = set()
     for source in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    unk = lm.tokenizer.unk_token_id
     for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"):
-        tid = lm.tokenizer.convert_tokens_to_ids(token) if token in lm.tokenizer.get_vocab() else None
-        if tid is not None:
+        tid = lm.tokenizer.convert_tokens_to_ids(token)  # no get_vocab(): it builds a 150k-entry dict
+        if tid is not None and tid != unk:
             ids.add(tid)
     return ids
 

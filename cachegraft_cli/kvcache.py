@@ -25,7 +25,7 @@ def from_model_cache(cache) -> PlainKV:
 
 
 def to_model_cache(kv: PlainKV, config=None):
-    """A fresh `DynamicCache` holding copies-free references to batched `kv`."""
+    """A fresh `DynamicCache` holding (not copying) the batched `kv` tensors."""
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=[(k, v) for k, v in kv], config=config)
