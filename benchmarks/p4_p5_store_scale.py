@@ -129,11 +129,12 @@ def build(url: str, n: int, geometry: dict, synth: Synth) -> float:
     the writer takes ~30 min on a loaded 2-core machine (blosc on 4 KB chunks), copying
     the files takes a minute, and reads, opens and appends see the same store either way."""
     from cachegraft_cli.indexing import build_store_index
-    from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store import FORMAT_VERSION, CacheStore
 
     t0 = time.perf_counter()
     try:
-        if len(CacheStore.open(url)) >= n:  # appends (P5) grow the big store; reuse it
+        old = CacheStore.open(url)
+        if len(old) >= n and old.meta.get("format_version") == FORMAT_VERSION:  # appends (P5) grow it; reuse
             return 0.0
     except Exception:  # noqa: BLE001 - missing or partial: rebuild
         pass
@@ -152,24 +153,25 @@ def build(url: str, n: int, geometry: dict, synth: Synth) -> float:
 def clone_segment(url: str, src: str, prefix: str, synth: Synth) -> None:
     """A new committed segment whose arrays are a file copy of `src` (same rows, offsets and
     checksums) with new ids, texts and content hashes; appended to the manifest like a commit."""
+    import dataclasses
     import json
     import os
 
-    from cachegraft_cli.store import content_hash_of, segments
-    from cachegraft_cli.store.layout import COMMIT, CONTENT, ROWS, new_segment_name, segment_file
-    from cachegraft_cli.store.location import Location
+    import numpy as np
 
-    loc = Location.from_url(url)
-    name = new_segment_name()
+    from cachegraft_cli.store import CacheStore, content_hash_of, segments
+    from cachegraft_cli.store.layout import COMMIT, CONTENT, new_segment_name, segment_file
+
+    store = CacheStore.open(url)
+    loc, name = store.loc, new_segment_name()
     root = os.path.join(url, "segments")
     shutil.copytree(os.path.join(root, src), os.path.join(root, name))
-    index = json.loads(loc.read_bytes(segment_file(src, ROWS)))["columns"]
+    table = segments.load_tables(loc, [src], store.rows_file)[0]
     content = json.loads(loc.read_bytes(segment_file(src, CONTENT)))["columns"]
-    rows = len(index["id"])
-    index["id"] = [f"{prefix}{i}" for i in range(rows)]
-    content["text"] = synth.texts(rows)
-    index["content_hash"] = [content_hash_of(f"{i} {t}") for i, t in zip(index["id"], content["text"])]
-    loc.write_json_atomic(segment_file(name, ROWS), {"columns": index}, compact=True)
+    ids = [f"{prefix}{i}" for i in range(len(table))]
+    content["text"] = synth.texts(len(table))
+    hashes = np.array([content_hash_of(f"{i} {t}") for i, t in zip(ids, content["text"])], dtype="S64")
+    segments.write_table(loc, dataclasses.replace(table, segment=name, ids=ids, hashes=hashes), store.rows_file)
     loc.write_json_atomic(segment_file(name, CONTENT), {"columns": content}, compact=True)
     entry = {**json.loads(loc.read_bytes(segment_file(src, COMMIT))), "name": name}
     loc.write_json_atomic(segment_file(name, COMMIT), entry)

@@ -208,6 +208,8 @@ def _make_passage(rec: dict, reader: CorpusReader, where: str, line: int | None,
         if f.id_required:
             raise _Bad(where, "missing id", f"field {f.id!r} is absent or empty")
         pid = content_id(title, text)
+    if "\0" in str(pid):
+        raise _Bad(where, "bad id", f"field {f.id!r} contains a NUL character")
     meta = {k: v for k, v in rec.items() if k not in used}
     return Passage(str(pid).strip(), title, text, meta, reader.source, line)
 

@@ -15,10 +15,14 @@ def index_path(store_url: str) -> str:
     return f"{str(store_url).rstrip('/')}/index"
 
 
-def store_docs(store):
+def store_docs(store, segments: list[str] | None = None):
     from cachegraft_cli.retrieval import Doc
 
-    return [Doc(id=r.id, text=r.text, title=r.title, content_hash=r.content_hash) for r in store.rows()]
+    return [Doc(id=r.id, text=r.text, title=r.title, content_hash=r.content_hash) for r in store.rows(segments)]
+
+
+def segment_names(store) -> list[str]:
+    return [s["name"] for s in store.segments]
 
 
 def store_fingerprint(store) -> str:
@@ -35,16 +39,19 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
 
     t0 = time.perf_counter()
     store = CacheStore.open(store_url)
-    docs = store_docs(store)
-    if not docs:
+    if not len(store):
         raise NoPassagesError(f"Store {store_url} has no passages to index.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
-    index, added, mode = None, len(docs), "built"
-    if not rebuild:
-        index = _existing(store_url, kind, embedder)
-    if index is not None and set(index.ids) <= {d.id for d in docs}:
-        added, mode = index.add(docs), "updated"
+    index = None if rebuild else _existing(store_url, kind, embedder)
+    names = segment_names(store)
+    covered = (index.source or {}).get("segments") if index is not None else None
+    if covered is not None and covered == names[:len(covered)]:
+        added, mode = index.add(store_docs(store, names[len(covered):])), "updated"  # segments are immutable
+    elif index is not None and set(index.ids) <= set(store.ids()):
+        added, mode = index.add(store_docs(store)), "updated"
     else:
-        index = build_index(docs, kind, embedder)
+        index = build_index(store_docs(store), kind, embedder)
+        added, mode = len(index), "built"
+    index.source = {"segments": names}
     index.save(index_path(store_url))
     return {"store": store_url, "kind": index.kind, "embedder": index.embedder, "passages": len(index),
             "added": added, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
@@ -69,5 +76,6 @@ def open_index(store, store_url: str, kind: str | None = None, embedder: str | N
     from cachegraft_cli.retrieval import load_index
 
     index = load_index(index_path(store_url), embedder=embedder, store=store_url)
-    index.check(store_fingerprint(store), len(store), store_url)
+    if (index.source or {}).get("segments") != segment_names(store):  # same segments: same passages
+        index.check(store_fingerprint(store), len(store), store_url)
     return index.view(kind) if kind and kind != index.kind else index

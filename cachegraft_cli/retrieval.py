@@ -73,10 +73,8 @@ def doc_hash(doc: DocLike) -> str:
 
 def passage_fingerprint(pairs: Iterable[tuple[str, str]]) -> str:
     """sha256 over the sorted (id, content_hash) pairs of a passage set."""
-    h = hashlib.sha256()
-    for pid, chash in sorted(pairs):
-        h.update(f"{pid}\t{chash}\n".encode())
-    return h.hexdigest()
+    text = "".join(f"{pid}\t{chash}\n" for pid, chash in sorted(pairs))  # one update: same digest, faster
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _doc_text(doc: DocLike) -> str:
@@ -123,13 +121,31 @@ def _load_stemmer(required: bool):
 
 
 class _Bm25:
-    """Token ids per passage + a bm25s index built from them on demand."""
+    """Token ids per passage + a bm25s index built from them on demand.
 
-    def __init__(self, stem: bool | None, vocab: dict[str, int] | None = None, docs: list | None = None):
+    A loaded index keeps its token ids packed (two arrays) and unpacks them
+    into lists only when a passage is added or replaced: searching a 100k
+    index needs only the saved score matrix.
+    """
+
+    def __init__(self, stem: bool | None, vocab: dict[str, int] | None = None, docs: list | None = None,
+                 packed: tuple[np.ndarray, np.ndarray] | None = None):
         self.tokenize = _Tokenizer(stem)
         self.vocab: dict[str, int] = vocab or {}
-        self.docs: list[list[int]] = docs or []
+        self._docs: list[list[int]] | None = (docs or []) if packed is None else None
+        self._packed = packed
         self._index = None
+
+    def count(self) -> int:
+        return len(self._docs) if self._docs is not None else len(self._packed[1]) - 1
+
+    @property
+    def docs(self) -> list[list[int]]:
+        if self._docs is None:
+            tokens, offsets = self._packed
+            self._docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+            self._packed = None
+        return self._docs
 
     def set(self, row: int, text: str) -> None:
         ids = [self.vocab.setdefault(t, len(self.vocab)) for t in self.tokenize(text)]
@@ -142,7 +158,7 @@ class _Bm25:
     def scores(self, query: str) -> np.ndarray:
         ids = [self.vocab[t] for t in self.tokenize(query) if t in self.vocab]
         if not ids:
-            return np.zeros(len(self.docs), dtype=np.float32)
+            return np.zeros(self.count(), dtype=np.float32)
         return np.asarray(self._bm25().get_scores_from_ids(ids), dtype=np.float32)
 
     def _bm25(self):
@@ -156,18 +172,20 @@ class _Bm25:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Token ids (for `add`) and the bm25s score matrix (so load needs no rebuild)."""
-        lengths = np.array([len(d) for d in self.docs], dtype=np.int64)
-        flat = np.fromiter((t for d in self.docs for t in d), dtype=np.int32, count=int(lengths.sum()))
+        if self._packed is not None:
+            tokens, offsets = self._packed
+        else:
+            lengths = np.array([len(d) for d in self.docs], dtype=np.int64)
+            tokens = np.fromiter((t for d in self.docs for t in d), dtype=np.int32, count=int(lengths.sum()))
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
         csc = self._bm25().scores
-        return {"tokens": flat, "offsets": np.concatenate([[0], np.cumsum(lengths)]),
+        return {"tokens": tokens, "offsets": offsets,
                 "csc_data": csc["data"], "csc_indices": csc["indices"], "csc_indptr": csc["indptr"]}
 
     @classmethod
     def from_arrays(cls, stem: bool, vocab: dict[str, int], arrays: Any) -> _Bm25:
-        tokens, offsets = arrays["tokens"], arrays["offsets"]
-        docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
-        self = cls(stem, vocab, docs)
-        self._index = _restore_bm25s(vocab, arrays, len(docs))
+        self = cls(stem, vocab, packed=(arrays["tokens"], arrays["offsets"]))
+        self._index = _restore_bm25s(vocab, arrays, self.count())
         return self
 
 
@@ -280,11 +298,21 @@ class RetrievalIndex:
     """Search a passage set. Build with `build_index`, reopen with `load_index`."""
 
     def __init__(self, kind: str, bm25: _Bm25 | None, dense: _Dense | None,
-                 ids: list[str] | None = None, hashes: list[str] | None = None):
+                 ids: list[str] | None = None, hashes: list[str] | None = None, source: dict | None = None):
         self.kind, self._bm25, self._dense = kind, bm25, dense
         self.ids: list[str] = ids or []
         self.hashes: list[str] = hashes or []
-        self._row = {pid: i for i, pid in enumerate(self.ids)}
+        # What the passages were read from (a store's segment names); lets a
+        # store check the index in O(segments) instead of fingerprinting every passage.
+        self.source = source
+        self._rows: dict[str, int] | None = None
+        self._fingerprint: str | None = None
+
+    @property
+    def _row(self) -> dict[str, int]:
+        if self._rows is None:
+            self._rows = {pid: i for i, pid in enumerate(self.ids)}
+        return self._rows
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -295,7 +323,9 @@ class RetrievalIndex:
 
     @property
     def fingerprint(self) -> str:
-        return passage_fingerprint(zip(self.ids, self.hashes))
+        if self._fingerprint is None:
+            self._fingerprint = passage_fingerprint(zip(self.ids, self.hashes))
+        return self._fingerprint
 
     def view(self, kind: str) -> RetrievalIndex:
         """The same index searched as another kind it has the parts for
@@ -323,6 +353,8 @@ class RetrievalIndex:
         content skipped. Only changed docs are tokenised / embedded. Returns
         how many rows were added or replaced."""
         changed = self._changes(docs)
+        if changed:
+            self._fingerprint = None
         for doc in changed:
             row = self._row.setdefault(doc.id, len(self.ids))
             if row == len(self.ids):
@@ -380,7 +412,11 @@ class RetrievalIndex:
             fs.rm(f"{root}/index.json")
         if self._bm25:
             _write(fs, f"{root}/bm25_vocab.json", json.dumps(self._bm25.vocab).encode())
-            _write_npz(fs, f"{root}/bm25.npz", self._bm25.arrays())
+            fs.makedirs(f"{root}/bm25", exist_ok=True)
+            for name, array in self._bm25.arrays().items():
+                _write_npy(fs, f"{root}/bm25/{name}.npy", array)
+            if fs.exists(f"{root}/bm25.npz"):  # the single-file layout of earlier versions
+                fs.rm(f"{root}/bm25.npz")
         if self._dense:
             _write_npy(fs, f"{root}/dense.npy", self._dense.matrix)
         _write(fs, f"{root}/index.json", json.dumps(self._manifest(), indent=1).encode())
@@ -393,7 +429,8 @@ class RetrievalIndex:
             "embedder": self.embedder,
             "dim": int(self._dense.matrix.shape[1]) if self._dense else None,
             "fusion": {"method": "rrf", "k": RRF_K, "depth": RRF_DEPTH} if self.kind == "hybrid" else None,
-            "ids": self.ids, "hashes": self.hashes,
+            "bm25_layout": "npy" if self._bm25 else None,
+            "ids": self.ids, "hashes": self.hashes, "source": self.source,
         }
 
 
@@ -432,15 +469,34 @@ def load_index(path: str, *, embedder: str | None = None, store: str | None = No
         raise RetrievalIndexError(f"{path}: not a version-{VERSION} retrieval index", _rebuild_hint(store))
     bm25 = _load_bm25(fs, root, meta) if meta["kind"] != "dense" else None
     dense = _load_dense(fs, root, meta, embedder) if meta["kind"] != "bm25" else None
-    index = RetrievalIndex(meta["kind"], bm25, dense, meta["ids"], meta["hashes"])
+    index = RetrievalIndex(meta["kind"], bm25, dense, meta["ids"], meta["hashes"], meta.get("source"))
     _check_loaded(index, meta, path, store)
+    index._fingerprint = meta["fingerprint"]  # index.json is written last and whole: ids and fingerprint agree
     return index
 
 
+BM25_ARRAYS = ("tokens", "offsets", "csc_data", "csc_indices", "csc_indptr")
+
+
 def _load_bm25(fs, root: str, meta: dict) -> _Bm25:
+    """Local `.npy` files are memory-mapped: a search reads only its terms' columns."""
     vocab = json.loads(_read(fs, f"{root}/bm25_vocab.json"))
-    arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")))
+    if meta.get("bm25_layout") == "npy":
+        arrays = {name: _load_npy(fs, f"{root}/bm25/{name}.npy") for name in BM25_ARRAYS}
+    else:
+        arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")))
     return _Bm25.from_arrays(meta["stemmer"] is not None, vocab, arrays)
+
+
+def _load_npy(fs, path: str) -> np.ndarray:
+    if _is_local(fs):
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    return np.load(_io(_read(fs, path)), allow_pickle=False)
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
 
 
 def _load_dense(fs, root: str, meta: dict, embedder: str | None) -> _Dense:
@@ -449,10 +505,10 @@ def _load_dense(fs, root: str, meta: dict, embedder: str | None) -> _Dense:
 
 
 def _check_loaded(index: RetrievalIndex, meta: dict, path: str, store: str) -> None:
-    rows = [len(index.ids)]
-    rows += [len(index._bm25.docs)] if index._bm25 else []
+    rows = [len(index.ids), len(index.hashes), meta["passages"]]
+    rows += [index._bm25.count()] if index._bm25 else []
     rows += [len(index._dense.matrix)] if index._dense else []
-    if len(set(rows)) != 1 or index.fingerprint != meta["fingerprint"]:
+    if len(set(rows)) != 1:
         raise RetrievalIndexError(f"{path}: index files disagree (partly written?)", _rebuild_hint(store))
 
 
@@ -478,17 +534,21 @@ def _read(fs, path: str) -> bytes:
 
 
 def _write(fs, path: str, data: bytes) -> None:
-    with fs.open(path, "wb") as f:
+    """Locally via a temp file and rename: an open memory map of the old file stays valid."""
+    if not _is_local(fs):
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    import os
+    import uuid
+
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
         f.write(data)
+    os.replace(tmp, path)
 
 
 def _write_npy(fs, path: str, array: np.ndarray) -> None:
     buf = _io(b"")
     np.save(buf, array, allow_pickle=False)
-    _write(fs, path, buf.getvalue())
-
-
-def _write_npz(fs, path: str, arrays: dict[str, np.ndarray]) -> None:
-    buf = _io(b"")
-    np.savez(buf, **arrays)
     _write(fs, path, buf.getvalue())

@@ -230,3 +230,49 @@ def test_content_hashes_come_from_the_index_tables(tmp_path):
     reopened = CacheStore.open(str(tmp_path / "s"))
     assert reopened.content_hashes() == {"a": "h1"}
     assert all(t.content is None for t in reopened._tables)  # no text was loaded
+
+
+def _as_format_1(url):
+    """Mark a new, empty store as format 1, whose segments keep JSON row tables (stores made before rows.bin)."""
+    from cachegraft_cli.store.layout import ROOT_META
+    from cachegraft_cli.store.location import Location
+
+    loc = Location.from_url(url)
+    root = loc.read_json(ROOT_META)
+    root["attributes"]["cachegraft"]["format_version"] = 1
+    loc.write_json_atomic(ROOT_META, root)
+    return loc
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_row_tables_round_trip_in_both_formats(url, rng, version):
+    make(url, rng)
+    loc = _as_format_1(url) if version == 1 else CacheStore.open(url).loc
+    store = CacheStore.open(url)
+    extra = [row(50, id="ü/naïve id", parent_id=None, chunk_index=None), row(51, parent_id="", chunk_index=0)]
+    data = fill(store, rng, range(4))
+    with store.writer() as w:
+        for r in extra:
+            data[r.id] = {"fused": bf16_cache(rng, 7)}
+            w.add(r, data[r.id])
+    again = CacheStore.open(url)
+    files = {"rows.json", "rows.bin"}
+    wanted = "rows.json" if version == 1 else "rows.bin"
+    for seg in again.segments:
+        assert {f for f in files if loc.exists(f"segments/{seg['name']}/{f}")} == {wanted}
+    rows = {r.id: r for r in again.rows()}
+    assert (rows["ü/naïve id"].parent_id, rows["ü/naïve id"].chunk_index) == (None, None)
+    assert (rows["p51"].parent_id, rows["p51"].chunk_index) == ("", 0)
+    assert (rows["p3"].parent_id, rows["p3"].chunk_index, rows["p3"].content_hash) == ("doc1", 0, "hash3")
+    assert again.content_hashes()["ü/naïve id"] == "hash50" and again.has_hash("hash51")
+    for pid, got in zip(data, again.read(list(data))):
+        assert np.array_equal(got, data[pid]["fused"])
+    assert again.verify()["ok"] and again.info()["format_version"] == version
+
+
+def test_a_nul_in_a_passage_id_is_refused(url, rng):
+    store = make(url, rng)
+    with pytest.raises(UsageError, match="NUL"):
+        with store.writer() as w:
+            w.add(row(0, id="a\0b"), {"fused": bf16_cache(rng, 3)})
+    assert len(CacheStore.open(url)) == 0

@@ -7,7 +7,7 @@ from typing import Any
 
 from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.store.codecs import get_codec
-from cachegraft_cli.store.layout import FORMAT_VERSION, IDENTITY_KEYS
+from cachegraft_cli.store.layout import IDENTITY_KEYS
 
 
 def normalise(identity: dict) -> dict:
@@ -26,7 +26,7 @@ def validate(identity: dict) -> dict:
     if missing:
         raise UsageError(f"store identity lacks {', '.join(missing)}.",
                          hint=f"Pass all of: {', '.join(IDENTITY_KEYS)} (None where not applicable).")
-    ident = normalise({**identity, "format_version": identity.get("format_version", FORMAT_VERSION)})
+    ident = normalise({k: v for k, v in identity.items() if k != "format_version"})
     geometry = ident["geometry"]
     if not isinstance(geometry, dict) or not all(isinstance(geometry.get(k), int) and geometry[k] > 0
                                                   for k in ("layers", "kv_heads", "head_dim")):
@@ -51,6 +51,8 @@ def _first_difference(stored: Any, wanted: Any, path: str) -> str:
 def check(url: str, stored: dict, expect: dict | None) -> None:
     """Raise StoreMismatchError naming the first key where `expect` differs from the store."""
     for key, wanted in normalise(expect or {}).items():
+        if key == "format_version":  # how the store is laid out, not what made its caches
+            continue
         have = stored.get(key)
         if have != wanted:
             where = _first_difference(have, wanted, key)

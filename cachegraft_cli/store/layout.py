@@ -5,7 +5,7 @@
     <store>/writer.lock                    single-writer lock
     <store>/prefix/                        float32 array: the shared-prefix cache
     <store>/segments/<name>/<kind>/<part>  sharded arrays of one segment
-    <store>/segments/<name>/rows.json      passage index (columns)
+    <store>/segments/<name>/rows.bin       passage index (numpy columns; rows.json in format 1)
     <store>/segments/<name>/content.json   title, text, metadata (columns)
     <store>/segments/<name>/commit.json    written last: the segment is complete
 """
@@ -17,13 +17,14 @@ import os
 import socket
 import uuid
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: binary row tables (rows.bin); format 1 stores (rows.json) are still read and appended to
 ROOT_META = "zarr.json"
 MANIFEST = "manifest.json"
 LOCK = "writer.lock"
 PREFIX = "prefix"
 SEGMENTS = "segments"
 ROWS = "rows.json"
+ROWS_BIN = "rows.bin"
 CONTENT = "content.json"
 COMMIT = "commit.json"
 
@@ -89,3 +90,8 @@ def zarr_compressors(spec: dict, dtype: str) -> list:
     if spec["name"] == "none":
         return [Crc32cCodec()]
     raise ValueError(f"unknown compressor {spec!r}")
+
+
+def rows_file(format_version: int) -> str:
+    """The row-table file of a store's segments: format 1 wrote JSON, later formats numpy."""
+    return ROWS if format_version < 2 else ROWS_BIN

@@ -63,12 +63,15 @@ class Location:
         self.fs.pipe_file(self.path(rel), data)
 
     def write_json_atomic(self, rel: str, obj: Any, compact: bool = False) -> None:
+        data = json.dumps(obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})).encode()
+        self.write_bytes_atomic(rel, data)
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Readers see the old file or the new one, never a torn one.
 
         Locally: temp file, fsync, rename. Object stores replace whole objects
         atomically, so a plain put is enough there.
         """
-        data = json.dumps(obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})).encode()
         if not self.local:
             self.write_bytes(rel, data)
             return

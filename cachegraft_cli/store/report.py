@@ -19,7 +19,7 @@ def info(store) -> dict:
     measured = {k: (b / tokens if tokens else None) for k, b in per_kind.items()}
     return {
         "url": store.loc.url,
-        "format_version": ident.get("format_version"),
+        "format_version": store.meta.get("format_version", 1),
         "codec": ident["codec"],
         "codec_params": store.codec.params,
         "kinds": list(store.kinds),

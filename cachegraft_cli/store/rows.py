@@ -1,13 +1,26 @@
-"""The passage table: `PassageRow`, and its per-segment columnar JSON form."""
+"""The passage table: `PassageRow`, and its per-segment forms on disk.
+
+Format 2 stores keep each segment's index columns in `rows.bin`: raw arrays
+behind a small JSON header, opened as zero-copy numpy views without a Python
+object per row, so opening a 100k-passage store does not parse 100k rows. Ids are one NUL-separated UTF-8 blob
+(one `split` at load). Format 1 stores keep columnar JSON (`rows.json`) and
+are still read, and appended to, in that form.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from cachegraft_cli.errors import StoreCorruptError, UsageError
+
 INDEX_COLUMNS = ("id", "content_hash", "tokens", "offset", "parent_id", "chunk_index")
 CONTENT_COLUMNS = ("title", "text", "metadata")
+SEP = "\0"
 
 
 @dataclass
@@ -34,36 +47,163 @@ def content_hash_of(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def index_columns(rows: list[PassageRow], checksums: list[dict]) -> dict:
-    cols: dict[str, Any] = {name: [getattr(r, name) for r in rows] for name in INDEX_COLUMNS}
-    cols["checksums"] = checksums
-    return cols
-
-
 def content_columns(rows: list[PassageRow]) -> dict:
     return {name: [getattr(r, name) for r in rows] for name in CONTENT_COLUMNS}
 
 
 @dataclass
 class SegmentTable:
-    """The committed rows of one segment, as columns (cheap to load for 100k rows)."""
+    """The committed rows of one segment, as columns.
+
+    `hashes` is a bytes (`S`) array and `crcs` a (rows, kinds x components) array
+    named by `crc_columns` ("kind/component"): strings and dicts are only made
+    for the rows a caller asks about.
+    """
 
     segment: str
-    index: dict
+    ids: list[str]
+    hashes: np.ndarray
+    tokens: np.ndarray
+    offsets: np.ndarray
+    parents: list[str | None]
+    chunk_index: np.ndarray  # -1: not a chunk
+    crc_columns: list[str]
+    crcs: np.ndarray
     content: dict | None = None
 
     def __len__(self) -> int:
-        return len(self.index["id"])
+        return len(self.ids)
 
     def span(self, i: int) -> tuple[int, int]:
-        start = self.index["offset"][i]
-        return start, start + self.index["tokens"][i]
+        start = int(self.offsets[i])
+        return start, start + int(self.tokens[i])
+
+    def content_hash(self, i: int) -> str:
+        return self.hashes[i].decode("ascii")
 
     def checksum(self, i: int, kind: str) -> dict[str, int]:
-        return self.index["checksums"][i][kind]
+        prefix = kind + "/"
+        return {col[len(prefix):]: int(v) for col, v in zip(self.crc_columns, self.crcs[i]) if col.startswith(prefix)}
 
     def row(self, i: int) -> PassageRow:
-        fields = {name: self.index[name][i] for name in INDEX_COLUMNS}
+        chunk = int(self.chunk_index[i])
+        fields = dict(id=self.ids[i], content_hash=self.content_hash(i), tokens=int(self.tokens[i]),
+                      offset=int(self.offsets[i]), parent_id=self.parents[i], chunk_index=None if chunk < 0 else chunk)
         if self.content is not None:
             fields.update({name: self.content[name][i] for name in CONTENT_COLUMNS})
         return PassageRow(segment=self.segment, **fields)
+
+
+# ---------------------------------------------------------------- building from rows
+
+
+def build_table(segment: str, rows: list[PassageRow], crcs: list[dict]) -> SegmentTable:
+    """The table of rows a writer has just committed (`crcs`: {kind: {component: crc}} per row)."""
+    columns, matrix = _crc_matrix(crcs)
+    return SegmentTable(
+        segment, [r.id for r in rows], np.array([r.content_hash for r in rows], dtype="S"),
+        np.array([r.tokens for r in rows], dtype=np.int64), np.array([r.offset for r in rows], dtype=np.int64),
+        [r.parent_id for r in rows], np.array([-1 if r.chunk_index is None else r.chunk_index for r in rows], np.int64),
+        columns, matrix)
+
+
+def _crc_matrix(crcs: list[dict]) -> tuple[list[str], np.ndarray]:
+    """[{kind: {component: crc}}] per row -> ("kind/component" names, (rows, names) uint32)."""
+    columns = [f"{kind}/{comp}" for kind, comps in (crcs[0] if crcs else {}).items() for comp in comps]
+    pairs = [col.split("/", 1) for col in columns]
+    values = [[c[kind][comp] for kind, comp in pairs] for c in crcs]
+    return columns, np.array(values, dtype=np.uint32).reshape(len(crcs), len(columns))
+
+
+# ---------------------------------------------------------------- format 2: rows.bin
+
+MAGIC = b"CGROWS1\n"
+_ALIGN = 64
+
+
+def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+    """MAGIC, u64 header length, JSON header {name: [dtype, shape, offset]}, then each array's
+    C-order bytes at a 64-byte-aligned offset (unpacked as zero-copy views)."""
+    layout, offset = {}, 0
+    for name, a in arrays.items():
+        layout[name] = [a.dtype.str, list(a.shape), offset]
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    header = json.dumps(layout).encode()
+    body = bytearray(offset)
+    for name, a in arrays.items():
+        start = layout[name][2]
+        body[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
+    return MAGIC + len(header).to_bytes(8, "little") + header + bytes(body)
+
+
+def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
+    if blob[:len(MAGIC)] != MAGIC:
+        raise ValueError("not a cachegraft row table")
+    size = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 8], "little")
+    base = len(MAGIC) + 8 + size
+    layout = json.loads(blob[len(MAGIC) + 8:base])
+    out = {}
+    for name, (dtype, shape, offset) in layout.items():
+        count = int(np.prod(shape, dtype=np.int64))
+        out[name] = np.frombuffer(blob, dtype=np.dtype(dtype), count=count, offset=base + offset).reshape(shape)
+    return out
+
+
+def _blob(strings: list[str], what: str) -> np.ndarray:
+    if any(SEP in s for s in strings):
+        raise UsageError(f"a passage {what} contains a NUL character.", "Remove NUL characters from passage ids.")
+    return np.frombuffer(SEP.join(strings).encode("utf-8"), dtype=np.uint8)
+
+
+def _unblob(blob: np.ndarray, count: int) -> list[str]:
+    return blob.tobytes().decode("utf-8").split(SEP) if count else []
+
+
+def table_to_bin(table: SegmentTable) -> bytes:
+    has_parent = np.array([p is not None for p in table.parents], dtype=bool)
+    names = np.frombuffer(json.dumps(table.crc_columns).encode(), dtype=np.uint8)
+    return pack_arrays({
+        "id": _blob(table.ids, "id"), "content_hash": table.hashes, "tokens": table.tokens,
+        "offset": table.offsets, "parent_id": _blob([p or "" for p in table.parents], "parent id"),
+        "has_parent": has_parent, "chunk_index": table.chunk_index, "crcs": table.crcs, "crc_columns": names})
+
+
+def table_from_bin(segment: str, blob: bytes) -> SegmentTable:
+    a = unpack_arrays(blob)
+    n = len(a["tokens"])
+    if a["has_parent"].any():
+        parents = [p if has else None for p, has in zip(_unblob(a["parent_id"], n), a["has_parent"].tolist())]
+    else:
+        parents = [None] * n
+    return SegmentTable(segment, _unblob(a["id"], n), a["content_hash"], a["tokens"], a["offset"], parents,
+                        a["chunk_index"], json.loads(a["crc_columns"].tobytes()), a["crcs"])
+
+
+# ---------------------------------------------------------------- format 1: rows.json
+
+
+def table_to_json(table: SegmentTable) -> dict:
+    kinds: dict[str, dict] = {}
+    for col in table.crc_columns:
+        kinds.setdefault(col.split("/", 1)[0], {})
+    crcs = [{kind: table.checksum(i, kind) for kind in kinds} for i in range(len(table))]
+    rows = [table.row(i) for i in range(len(table))]
+    return {"columns": {**{name: [getattr(r, name) for r in rows] for name in INDEX_COLUMNS}, "checksums": crcs}}
+
+
+def table_from_json(segment: str, blob: bytes) -> SegmentTable:
+    cols = json.loads(blob)["columns"]
+    columns, matrix = _crc_matrix(cols["checksums"])
+    return SegmentTable(
+        segment, list(cols["id"]), np.array(cols["content_hash"], dtype="S"),
+        np.array(cols["tokens"], dtype=np.int64).reshape(-1), np.array(cols["offset"], dtype=np.int64).reshape(-1),
+        list(cols["parent_id"]), np.array([-1 if c is None else c for c in cols["chunk_index"]], np.int64).reshape(-1),
+        columns, matrix)
+
+
+def parse_table(segment: str, file: str, blob: bytes) -> SegmentTable:
+    try:
+        return table_from_bin(segment, blob) if file.endswith(".bin") else table_from_json(segment, blob)
+    except (ValueError, KeyError, OSError, UnicodeDecodeError) as exc:
+        raise StoreCorruptError(f"segment {segment}: {file} is unreadable ({exc}).",
+                                hint="Run `cachegraft store verify` for details.") from None

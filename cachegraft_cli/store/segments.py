@@ -8,7 +8,7 @@ from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
 from cachegraft_cli.store.layout import CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.rows import SegmentTable
+from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
 
 
 def empty_manifest() -> dict:
@@ -50,22 +50,27 @@ def collect_garbage(loc: Location) -> list[str]:
     return removed
 
 
-def load_tables(loc: Location, names: list[str], file: str = ROWS) -> list[dict]:
+def load_tables(loc: Location, names: list[str], file: str) -> list[SegmentTable]:
     blobs = loc.read_many([segment_file(n, file) for n in names])
-    out = []
-    for name, blob in zip(names, blobs):
-        try:
-            out.append(json.loads(blob)["columns"])
-        except (ValueError, KeyError) as exc:
-            raise StoreCorruptError(f"segment {name}: {file} is unreadable ({exc}).",
-                                    hint="Run `cachegraft store verify` for details.") from None
-    return out
+    return [parse_table(name, file, blob) for name, blob in zip(names, blobs)]
+
+
+def write_table(loc: Location, table: SegmentTable, file: str) -> None:
+    if file == ROWS:
+        loc.write_json_atomic(segment_file(table.segment, file), table_to_json(table), compact=True)
+    else:
+        loc.write_bytes_atomic(segment_file(table.segment, file), table_to_bin(table))
 
 
 def load_content(loc: Location, tables: list[SegmentTable]) -> None:
     missing = [t for t in tables if t.content is None]
-    for table, content in zip(missing, load_tables(loc, [t.segment for t in missing], CONTENT)):
-        table.content = content
+    blobs = loc.read_many([segment_file(t.segment, CONTENT) for t in missing])
+    for table, blob in zip(missing, blobs):
+        try:
+            table.content = json.loads(blob)["columns"]
+        except (ValueError, KeyError) as exc:
+            raise StoreCorruptError(f"segment {table.segment}: {CONTENT} is unreadable ({exc}).",
+                                    hint="Run `cachegraft store verify` for details.") from None
 
 
 def chunk_rows(store, comp: Component) -> tuple[int, int]:

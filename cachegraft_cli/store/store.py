@@ -13,6 +13,7 @@ from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
     DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, now_iso,
+    rows_file,
 )
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
@@ -37,10 +38,11 @@ class CacheStore:
         self._entries: list[dict] = []
         self._tables: list[SegmentTable] = []
         self._where: dict[str, tuple[int, int]] = {}
-        self._hashes: set[str] = set()
+        self._hashes: set[bytes] | None = None  # built on first has_hash (encode planning only)
+        self.rows_file = rows_file(meta.get("format_version", 1))
         names = [s["name"] for s in manifest["segments"]]
-        for entry, index in zip(manifest["segments"], segments.load_tables(loc, names)):
-            self._adopt(entry, index)
+        for entry, table in zip(manifest["segments"], segments.load_tables(loc, names, self.rows_file)):
+            self._adopt(entry, table)
 
     # -- create / open ----------------------------------------------------------
 
@@ -72,13 +74,14 @@ class CacheStore:
 
     # -- passages ---------------------------------------------------------------
 
-    def _adopt(self, entry: dict, index: dict) -> None:
+    def _adopt(self, entry: dict, table: SegmentTable) -> None:
         """Add one committed segment to this snapshot (on open, and after our own commit)."""
         ti = len(self._tables)
         self._entries.append(entry)
-        self._tables.append(SegmentTable(entry["name"], index))
-        self._where.update(zip(index["id"], zip(repeat(ti), range(len(index["id"])))))
-        self._hashes.update(index["content_hash"])
+        self._tables.append(table)
+        self._where.update(zip(table.ids, zip(repeat(ti), range(len(table)))))
+        if self._hashes is not None:
+            self._hashes.update(table.hashes.tolist())
 
     def __len__(self) -> int:
         return len(self._where)
@@ -90,16 +93,22 @@ class CacheStore:
         return list(self._where)
 
     def has_hash(self, content_hash: str) -> bool:
-        return content_hash in self._hashes
+        if self._hashes is None:
+            self._hashes = {h for t in self._tables for h in t.hashes.tolist()}
+        return content_hash.encode("ascii", "replace") in self._hashes
 
-    def rows(self) -> list[PassageRow]:
-        """Committed rows of the snapshot; an id written again in a later segment shows its latest row."""
-        segments.load_content(self.loc, self._tables)
-        return [self._tables[ti].row(ri) for ti, ri in self._where.values()]
+    def rows(self, segment_names: list[str] | None = None) -> list[PassageRow]:
+        """Committed rows of the snapshot (or of the named segments only); an id written
+        again in a later segment shows its latest row."""
+        wanted = None if segment_names is None else {t.segment for t in self._tables} & set(segment_names)
+        tables = [t for t in self._tables if wanted is None or t.segment in wanted]
+        segments.load_content(self.loc, tables)
+        return [self._tables[ti].row(ri) for ti, ri in self._where.values()
+                if wanted is None or self._tables[ti].segment in wanted]
 
     def content_hashes(self) -> dict[str, str]:
         """id -> content hash of every committed row, from the index tables only (no text is read)."""
-        return {pid: self._tables[ti].index["content_hash"][ri] for pid, (ti, ri) in self._where.items()}
+        return {pid: self._tables[ti].content_hash(ri) for pid, (ti, ri) in self._where.items()}
 
     def get_rows(self, ids: list[str]) -> list[PassageRow]:
         found = [self._locate(pid) for pid in ids]
@@ -160,7 +169,7 @@ class CacheStore:
         table = self._tables[ti]
         if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):
             raise StoreCorruptError(
-                f"passage {table.index['id'][ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
+                f"passage {table.ids[ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
                 hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
 
     def _array(self, segment: str, kind: str, part: str):

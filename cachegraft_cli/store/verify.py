@@ -29,7 +29,7 @@ def verify(store, progress=None) -> dict:
 
 
 def _problem(table, row, kind, part, text) -> dict:
-    passage = table.index["id"][row] if row is not None else None
+    passage = table.ids[row] if row is not None else None
     return {"segment": table.segment, "passage": passage, "kind": kind, "part": part, "problem": text}
 
 
@@ -37,17 +37,18 @@ def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing"))
-    offsets = np.cumsum([0] + list(table.index["tokens"]))
-    if list(offsets[:-1]) != list(table.index["offset"]) or offsets[-1] != entry["tokens"]:
-        out.append(_problem(table, None, None, None, "rows.json offsets do not tile the segment's tokens"))
+    offsets = np.concatenate([[0], np.cumsum(table.tokens)])
+    if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
+        out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens"))
     if len(table) != entry["rows"]:
-        out.append(_problem(table, None, None, None, f"rows.json has {len(table)} rows, manifest says {entry['rows']}"))
+        out.append(_problem(table, None, None, None,
+                            f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}"))
     return out
 
 
 def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
-    tokens = int(sum(table.index["tokens"]))
+    tokens = int(table.tokens.sum())
     try:
         arrays = {c.name: store._array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report

@@ -15,9 +15,9 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
-from cachegraft_cli.store.layout import COMMIT, CONTENT, ROWS, array_path, new_segment_name, now_iso, segment_dir, segment_file
+from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, new_segment_name, now_iso, segment_dir, segment_file
 from cachegraft_cli.store.lock import WriterLock
-from cachegraft_cli.store.rows import PassageRow, content_columns, content_hash_of, index_columns
+from cachegraft_cli.store.rows import PassageRow, build_table, content_columns, content_hash_of
 
 
 class StoreWriter:
@@ -156,13 +156,13 @@ class StoreWriter:
         self._flush(final=True)
         self._resize_arrays()
         loc = self.store.loc
-        index = index_columns(self.rows, self.crcs)
-        loc.write_json_atomic(segment_file(self.name, ROWS), {"columns": index}, compact=True)
+        table = build_table(self.name, self.rows, self.crcs)
+        segments.write_table(loc, table, self.store.rows_file)
         loc.write_json_atomic(segment_file(self.name, CONTENT), {"columns": content_columns(self.rows)}, compact=True)
         entry = self._entry()
         loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
         segments.append_to_manifest(loc, entry)
-        self.store._adopt(entry, index)
+        self.store._adopt(entry, table)
         return entry
 
     def _entry(self) -> dict:

@@ -1,0 +1,109 @@
+"""A store's retrieval index: incremental updates by segment, and the O(segments) consistency check."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from cachegraft_cli import indexing
+from cachegraft_cli.errors import IndexMismatchError
+from cachegraft_cli.retrieval import load_index
+from cachegraft_cli.store import CacheStore, PassageRow
+
+GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 4}
+IDENTITY = {"receiver": None, "sharer": None, "fuser": None, "template": {}, "prefix_token_ids": [1],
+            "position_scheme": "canonical", "dtype": "float32", "codec": "float32", "geometry": GEOMETRY}
+TEXTS = ["amber falcon river", "basalt quarry lantern", "cobalt meadow harbour", "dusty archive ledger",
+         "ember lighthouse storm", "frost orchard ladder"]
+
+
+def add(url, items):
+    store = CacheStore.open(url)
+    with store.writer() as w:
+        for pid, text in items:
+            w.add(PassageRow(pid, text=text, content_hash=f"h-{pid}-{text}"), {"fused": np.ones((3, 1, 2, 1, 4), np.float32)})
+
+
+@pytest.fixture
+def url(tmp_path):
+    url = str(tmp_path / "s")
+    CacheStore.create(url, IDENTITY, np.zeros((1, 1, 2, 1, 4), np.float32))
+    add(url, [(f"p{i}", TEXTS[i]) for i in range(3)])
+    return url
+
+
+def test_update_reads_only_new_segments_and_equals_a_fresh_build(url, monkeypatch, tmp_path):
+    assert indexing.build_store_index(url)["mode"] == "built"
+    add(url, [(f"p{i}", TEXTS[i]) for i in range(3, 6)])
+    seen = []
+    real = CacheStore.rows
+    monkeypatch.setattr(CacheStore, "rows", lambda self, segs=None: seen.append(segs) or real(self, segs))
+    report = indexing.build_store_index(url)
+    assert (report["mode"], report["added"], report["passages"]) == ("updated", 3, 6)
+    assert seen == [[CacheStore.open(url).segments[1]["name"]]]  # the first segment's text was not read
+    fresh = str(tmp_path / "fresh")
+    shutil.copytree(url, fresh)
+    indexing.build_store_index(fresh, rebuild=True)
+    updated, rebuilt = load_index(indexing.index_path(url)), load_index(indexing.index_path(fresh))
+    for query in ["amber river", "ember storm lighthouse", "frost ladder"]:
+        assert updated.search(query, 3) == rebuilt.search(query, 3)
+    assert updated.fingerprint == rebuilt.fingerprint
+
+
+def test_superseded_id_in_a_new_segment_replaces_its_row(url):
+    indexing.build_store_index(url)
+    add(url, [("p0", "zinc telescope")])
+    assert indexing.build_store_index(url)["added"] == 1
+    index = indexing.open_index(CacheStore.open(url), url)
+    assert [h.id for h in index.search("zinc telescope", 1)] == ["p0"] and len(index) == 3
+
+
+def test_open_checks_segments_not_passages_when_they_match(url, monkeypatch):
+    indexing.build_store_index(url)
+    monkeypatch.setattr(indexing, "store_fingerprint", lambda store: pytest.fail("fingerprinted every passage"))
+    index = indexing.open_index(CacheStore.open(url), url)
+    assert index._bm25._docs is None  # searching needs no unpacked token lists
+    assert [h.id for h in index.search("cobalt harbour", 1)] == ["p2"]
+    assert index._bm25._docs is None
+
+
+def test_an_index_of_another_passage_set_is_refused(url, tmp_path):
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other)
+    add(other, [("p9", "granite canyon echo")])
+    indexing.build_store_index(other)
+    shutil.rmtree(indexing.index_path(url), ignore_errors=True)
+    shutil.copytree(indexing.index_path(other), indexing.index_path(url))
+    with pytest.raises(IndexMismatchError):
+        indexing.open_index(CacheStore.open(url), url)
+
+
+def test_reindexing_an_unchanged_store_keeps_a_working_index(url):
+    indexing.build_store_index(url)
+    index = indexing.open_index(CacheStore.open(url), url)  # memory-maps the files the next save replaces
+    assert indexing.build_store_index(url)["added"] == 0
+    assert [h.id for h in index.search("basalt lantern", 1)] == ["p1"]
+    again = indexing.open_index(CacheStore.open(url), url)
+    assert [h.id for h in again.search("basalt lantern", 1)] == ["p1"]
+
+
+def test_an_index_saved_as_one_npz_file_still_loads(url):
+    import io
+    import json
+    from pathlib import Path
+
+    indexing.build_store_index(url)
+    root = Path(indexing.index_path(url))
+    arrays = {p.stem: np.load(p) for p in (root / "bm25").glob("*.npy")}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    (root / "bm25.npz").write_bytes(buf.getvalue())
+    shutil.rmtree(root / "bm25")
+    meta = json.loads((root / "index.json").read_text())
+    del meta["bm25_layout"], meta["source"]
+    (root / "index.json").write_text(json.dumps(meta))
+    index = indexing.open_index(CacheStore.open(url), url)
+    assert [h.id for h in index.search("dusty ledger", 1)] == []  # p3 is not in this 3-passage store
+    assert [h.id for h in index.search("cobalt harbour", 1)] == ["p2"]
