@@ -87,6 +87,8 @@ def generate(
             break
         out.append(token)
         streamer.push(out)
+        if len(out) == config.max_new_tokens:
+            break  # no forward pass for a token that would never be read
         logits = step([token])
     t_end = time.perf_counter()
     text = lm.tokenizer.decode(out, skip_special_tokens=True).strip()
@@ -170,13 +172,13 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[l
     stops, rows = stop_ids(lm), [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-    for _ in range(config.max_new_tokens):
+    for n in range(config.max_new_tokens):
         tokens = [_pick(row_logits, config, rng) for row_logits in logits]
         for i, t in enumerate(tokens):
             done[i] = done[i] or t in stops
             if not done[i]:
                 rows[i].append(t)
-        if all(done):
+        if all(done) or n + 1 == config.max_new_tokens:
             break
         ones = torch.ones(len(rows), 1, dtype=torch.long)
         logits = step(torch.tensor(tokens)[:, None], next_pos[:, None], ones)
