@@ -214,3 +214,21 @@ def test_em_only_run_and_bad_settings(full_run, tmp_path):
         run_evaluation(make_config(full_run["qa"], tmp_path / "x", systems=["oracle"]), FakeAnswerer())
     with pytest.raises(UsageError, match="ks must be"):
         run_evaluation(make_config(full_run["qa"], tmp_path / "x", ks=[0]), FakeAnswerer())
+
+
+def test_judge_limit_judges_the_same_question_subset_for_every_system(full_run, tmp_path):
+    loader = stub_loader()
+    summary = run_evaluation(make_config(full_run["qa"], tmp_path / "o", judge_limit=8), FakeAnswerer(), loader,
+                             progress=False)
+    verdicts = [json.loads(line) for line in (tmp_path / "o" / "verdicts.jsonl").read_text().splitlines()]
+    judged: dict[tuple, set] = {}
+    for v in verdicts:
+        judged.setdefault((v["system"], v["k"]), set()).add(v["id"])
+    subsets = list(judged.values())
+    assert len(subsets) == 7 and all(len(s) == 8 and s == subsets[0] for s in subsets)  # 3 systems x 2 k + closed
+    full_verdicts = (full_run["out"] / "verdicts.jsonl").read_text().splitlines()
+    assert summary["counts"]["verdicts"] == 8 * 7 < len(full_verdicts)
+    judged_rows = [c for c in summary["comparisons"] if c["judge"] != "em" and c["b"] == "text"]
+    assert judged_rows and all(c["n"] == 8 for c in judged_rows)
+    assert all(c["n"] == N for c in summary["comparisons"] if c["judge"] == "em" and c["b"] == "text")
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["judge_limit"] == 8

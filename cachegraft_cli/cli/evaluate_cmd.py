@@ -23,6 +23,7 @@ def evaluate(
     corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
     articles: Annotated[Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")] = None,
     pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
+    judge_limit: Annotated[Optional[int], typer.Option(min=1, help="Judge only the first N sampled questions of each benchmark (all systems and k; saves CPU time).")] = None,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
     sharer: SharerOpt = None,
@@ -46,7 +47,7 @@ def evaluate(
     acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
     config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, articles, pairwise,
-                       answerer_config=acfg.results_key())
+                       answerer_config=acfg.results_key(), judge_limit=judge_limit)
     summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
     if json_out:
         emit_json(summary)

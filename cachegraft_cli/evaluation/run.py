@@ -58,6 +58,7 @@ class RunConfig:
     answer_batch_size: int = 8
     judge_batch_size: int = 16
     answerer_config: dict = field(default_factory=dict)  # models, fuser, ...: checked on resume
+    judge_limit: int | None = None  # judge only the first N sampled questions of each benchmark
 
     def specs(self) -> list[DatasetSpec]:
         return [parse_dataset_spec(b) if isinstance(b, str) else b for b in self.benchmarks]
@@ -70,6 +71,7 @@ class RunConfig:
             "seed": self.seed, "corpus": self.corpus, "articles": self.articles, "pairwise": self.pairwise,
             "bootstrap_samples": self.bootstrap_samples, "answer_batch_size": self.answer_batch_size,
             "judge_batch_size": self.judge_batch_size, "answerer": self.answerer_config,
+            **({"judge_limit": self.judge_limit} if self.judge_limit is not None else {}),
         }
 
 
@@ -95,6 +97,8 @@ def validate(config: RunConfig) -> None:
         problems.append(f"corpus must be one of {', '.join(CORPUS_MODES)}")
     if config.limit is not None and config.limit < 1:
         problems.append("limit must be >= 1")
+    if config.judge_limit is not None and config.judge_limit < 1:
+        problems.append("judge_limit must be >= 1")
     names = [s.name for s in config.specs()]
     if not names or len(set(names)) != len(names):
         problems.append("benchmarks must be a non-empty list with distinct names")
@@ -220,6 +224,15 @@ def judge_pairs(judge, name: str, pending: list[tuple], pairs: RecordFile, confi
             bar.update(len(batch))
 
 
+def judged_answers(answers: list[dict], benchmarks: list[Benchmark], judge_limit: int | None) -> list[dict]:
+    """The answers judges see: all, or those to each benchmark's first `judge_limit` sampled
+    questions (a seeded random subset, the same for every system and k, so comparisons stay paired)."""
+    if judge_limit is None:
+        return answers
+    keep = {(b.name, q.id) for b in benchmarks for q in b.questions[:judge_limit]}
+    return [a for a in answers if (a["benchmark"], a["id"]) in keep]
+
+
 def run_judges(config: RunConfig, answers: list[dict], verdicts: RecordFile, pairs: RecordFile,
                loader: JudgeLoader, progress: bool) -> None:
     """Load each judge only when it has work, one at a time, and free it after."""
@@ -268,7 +281,8 @@ def run_evaluation(config: RunConfig, answerer: Answerer, judge_loader: JudgeLoa
             answer_benchmark(bench, answerer, config, answers, progress)
         answerer.close_models()
         loader = judge_loader or (lambda spec: load_judge(spec, batch_size=config.judge_batch_size))
-        run_judges(config, answers.records(), verdicts, pairs, loader, progress)
+        judged = judged_answers(answers.records(), benchmarks, config.judge_limit)
+        run_judges(config, judged, verdicts, pairs, loader, progress)
     finally:
         for f in files:
             f.close()
