@@ -121,88 +121,59 @@ def _load_stemmer(required: bool):
 
 
 class _Bm25:
-    """Token ids per passage + a bm25s index built from them on demand.
+    """The tokenizer, its vocabulary and the appendable BM25 postings (`cachegraft_cli.bm25`)."""
 
-    A loaded index keeps its token ids packed (two arrays) and unpacks them
-    into lists only when a passage is added or replaced: searching a 100k
-    index needs only the saved score matrix.
-    """
+    def __init__(self, stem: bool | None, vocab: dict[str, int] | None = None, index=None):
+        from cachegraft_cli.bm25 import Bm25
 
-    def __init__(self, stem: bool | None, vocab: dict[str, int] | None = None, docs: list | None = None,
-                 packed: tuple[np.ndarray, np.ndarray] | None = None):
         self.tokenize = _Tokenizer(stem)
         self.vocab: dict[str, int] = vocab or {}
-        self._docs: list[list[int]] | None = (docs or []) if packed is None else None
-        self._packed = packed
-        self._index = None
+        self.index = index or Bm25(terms=len(self.vocab))
 
     def count(self) -> int:
-        return len(self._docs) if self._docs is not None else len(self._packed[1]) - 1
-
-    @property
-    def docs(self) -> list[list[int]]:
-        if self._docs is None:
-            tokens, offsets = self._packed
-            self._docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
-            self._packed = None
-        return self._docs
+        return self.index.count()
 
     def set(self, row: int, text: str) -> None:
-        ids = [self.vocab.setdefault(t, len(self.vocab)) for t in self.tokenize(text)]
-        if row == len(self.docs):
-            self.docs.append(ids)
-        else:
-            self.docs[row] = ids
-        self._index = None
+        self.index.add(row, [self.vocab.setdefault(t, len(self.vocab)) for t in self.tokenize(text)])
 
     def scores(self, query: str) -> np.ndarray:
         ids = [self.vocab[t] for t in self.tokenize(query) if t in self.vocab]
-        if not ids:
-            return np.zeros(self.count(), dtype=np.float32)
-        return np.asarray(self._bm25().get_scores_from_ids(ids), dtype=np.float32)
+        return self.index.scores(ids, len(self.vocab))
 
-    def _bm25(self):
-        if self._index is None:
-            import bm25s
+    def save(self, fs, root: str) -> list[str]:
+        """Blocks are immutable: only those not yet at `root` are written (the last
+        array last). Returns the names of all blocks, for index.json."""
+        import uuid
 
-            index = bm25s.BM25(**_BM25_PARAMS)
-            index.index((self.docs, dict(self.vocab)), create_empty_token=False, show_progress=False)
-            self._index = index
-        return self._index
+        from cachegraft_cli.bm25 import BLOCK_ARRAYS
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Token ids (for `add`) and the bm25s score matrix (so load needs no rebuild)."""
-        if self._packed is not None:
-            tokens, offsets = self._packed
-        else:
-            lengths = np.array([len(d) for d in self.docs], dtype=np.int64)
-            tokens = np.fromiter((t for d in self.docs for t in d), dtype=np.int32, count=int(lengths.sum()))
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-        csc = self._bm25().scores
-        return {"tokens": tokens, "offsets": offsets,
-                "csc_data": csc["data"], "csc_indices": csc["indices"], "csc_indptr": csc["indptr"]}
+        self.index.flush(len(self.vocab))
+        _write(fs, f"{root}/bm25_vocab.json", json.dumps(self.vocab).encode())
+        for block in self.index.blocks:
+            block.name = block.name or f"block-{uuid.uuid4().hex[:12]}"
+            if fs.exists(f"{root}/bm25/{block.name}/{BLOCK_ARRAYS[-1]}.npy"):
+                continue
+            fs.makedirs(f"{root}/bm25/{block.name}", exist_ok=True)
+            for name, array in block.arrays().items():
+                _write_npy(fs, f"{root}/bm25/{block.name}/{name}.npy", array)
+        return [b.name for b in self.index.blocks]
 
     @classmethod
-    def from_arrays(cls, stem: bool, vocab: dict[str, int], arrays: Any) -> _Bm25:
-        self = cls(stem, vocab, packed=(arrays["tokens"], arrays["offsets"]))
-        self._index = _restore_bm25s(vocab, arrays, self.count())
-        return self
+    def load(cls, fs, root: str, meta: dict) -> _Bm25:
+        """Blocks are memory-mapped when local. An index saved before blocks (one
+        `bm25.npz`) is turned into one block from its token lists."""
+        from cachegraft_cli.bm25 import BLOCK_ARRAYS, Block, Bm25, build_block
 
-
-_BM25_PARAMS = {"k1": 1.5, "b": 0.75, "method": "lucene"}
-
-
-def _restore_bm25s(vocab: dict[str, int], arrays: Any, num_docs: int):
-    """A bm25s.BM25 from its saved score matrix, set up as `BM25.load` does (0.3.x)."""
-    import bm25s
-
-    index = bm25s.BM25(**_BM25_PARAMS)
-    index.vocab_dict = dict(vocab)
-    index.unique_token_ids_set = set(vocab.values())
-    index.nonoccurrence_array = None  # lucene scoring has none
-    index.scores = {"data": arrays["csc_data"], "indices": arrays["csc_indices"],
-                    "indptr": arrays["csc_indptr"], "num_docs": num_docs}
-    return index
+        vocab = json.loads(_read(fs, f"{root}/bm25_vocab.json"))
+        names = meta.get("bm25_blocks")
+        if names is None:
+            arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")))
+            tokens, offsets = arrays["tokens"], arrays["offsets"]
+            docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+            blocks = [build_block(docs, 0, len(vocab))]
+        else:
+            blocks = [Block(**{a: _load_npy(fs, f"{root}/bm25/{n}/{a}.npy") for a in BLOCK_ARRAYS}, name=n) for n in names]
+        return cls(meta["stemmer"] is not None, vocab, Bm25(blocks, terms=len(vocab)))
 
 
 # ---------------------------------------------------------------- dense
@@ -410,18 +381,13 @@ class RetrievalIndex:
         fs.makedirs(root, exist_ok=True)
         if fs.exists(f"{root}/index.json"):
             fs.rm(f"{root}/index.json")
-        if self._bm25:
-            _write(fs, f"{root}/bm25_vocab.json", json.dumps(self._bm25.vocab).encode())
-            fs.makedirs(f"{root}/bm25", exist_ok=True)
-            for name, array in self._bm25.arrays().items():
-                _write_npy(fs, f"{root}/bm25/{name}.npy", array)
-            if fs.exists(f"{root}/bm25.npz"):  # the single-file layout of earlier versions
-                fs.rm(f"{root}/bm25.npz")
+        blocks = self._bm25.save(fs, root) if self._bm25 else None
         if self._dense:
             _write_npy(fs, f"{root}/dense.npy", self._dense.matrix)
-        _write(fs, f"{root}/index.json", json.dumps(self._manifest(), indent=1).encode())
+        _write(fs, f"{root}/index.json", json.dumps(self._manifest(blocks), indent=1).encode())
+        _remove_unlisted_blocks(fs, root, blocks or [])
 
-    def _manifest(self) -> dict[str, Any]:
+    def _manifest(self, blocks: list[str] | None) -> dict[str, Any]:
         return {
             "format": FORMAT, "version": VERSION, "kind": self.kind,
             "passages": len(self.ids), "fingerprint": self.fingerprint,
@@ -429,7 +395,7 @@ class RetrievalIndex:
             "embedder": self.embedder,
             "dim": int(self._dense.matrix.shape[1]) if self._dense else None,
             "fusion": {"method": "rrf", "k": RRF_K, "depth": RRF_DEPTH} if self.kind == "hybrid" else None,
-            "bm25_layout": "npy" if self._bm25 else None,
+            "bm25_blocks": blocks,
             "ids": self.ids, "hashes": self.hashes, "source": self.source,
         }
 
@@ -467,7 +433,7 @@ def load_index(path: str, *, embedder: str | None = None, store: str | None = No
     meta = json.loads(_read(fs, f"{root}/index.json"))
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise RetrievalIndexError(f"{path}: not a version-{VERSION} retrieval index", _rebuild_hint(store))
-    bm25 = _load_bm25(fs, root, meta) if meta["kind"] != "dense" else None
+    bm25 = _Bm25.load(fs, root, meta) if meta["kind"] != "dense" else None
     dense = _load_dense(fs, root, meta, embedder) if meta["kind"] != "bm25" else None
     index = RetrievalIndex(meta["kind"], bm25, dense, meta["ids"], meta["hashes"], meta.get("source"))
     _check_loaded(index, meta, path, store)
@@ -475,17 +441,13 @@ def load_index(path: str, *, embedder: str | None = None, store: str | None = No
     return index
 
 
-BM25_ARRAYS = ("tokens", "offsets", "csc_data", "csc_indices", "csc_indptr")
-
-
-def _load_bm25(fs, root: str, meta: dict) -> _Bm25:
-    """Local `.npy` files are memory-mapped: a search reads only its terms' columns."""
-    vocab = json.loads(_read(fs, f"{root}/bm25_vocab.json"))
-    if meta.get("bm25_layout") == "npy":
-        arrays = {name: _load_npy(fs, f"{root}/bm25/{name}.npy") for name in BM25_ARRAYS}
-    else:
-        arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")))
-    return _Bm25.from_arrays(meta["stemmer"] is not None, vocab, arrays)
+def _remove_unlisted_blocks(fs, root: str, keep: list[str]) -> None:
+    """Blocks merged away, or written by a save that died before its index.json; and the pre-block file."""
+    for path in fs.ls(f"{root}/bm25", detail=False) if fs.exists(f"{root}/bm25") else []:
+        if path.rstrip("/").rsplit("/", 1)[-1] not in keep:
+            fs.rm(path, recursive=True)
+    if keep and fs.exists(f"{root}/bm25.npz"):
+        fs.rm(f"{root}/bm25.npz")
 
 
 def _load_npy(fs, path: str) -> np.ndarray:

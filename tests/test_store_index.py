@@ -64,9 +64,8 @@ def test_open_checks_segments_not_passages_when_they_match(url, monkeypatch):
     indexing.build_store_index(url)
     monkeypatch.setattr(indexing, "store_fingerprint", lambda store: pytest.fail("fingerprinted every passage"))
     index = indexing.open_index(CacheStore.open(url), url)
-    assert index._bm25._docs is None  # searching needs no unpacked token lists
+    assert all(isinstance(b.tf, np.memmap) for b in index._bm25.index.blocks)  # mapped, not read
     assert [h.id for h in index.search("cobalt harbour", 1)] == ["p2"]
-    assert index._bm25._docs is None
 
 
 def test_an_index_of_another_passage_set_is_refused(url, tmp_path):
@@ -96,14 +95,29 @@ def test_an_index_saved_as_one_npz_file_still_loads(url):
 
     indexing.build_store_index(url)
     root = Path(indexing.index_path(url))
-    arrays = {p.stem: np.load(p) for p in (root / "bm25").glob("*.npy")}
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    (block,) = (root / "bm25").iterdir()
+    buf = io.BytesIO()  # the earlier layout: token lists (+ a bm25s score matrix, not read any more)
+    np.savez(buf, tokens=np.load(block / "tokens.npy"), offsets=np.load(block / "offsets.npy"))
     (root / "bm25.npz").write_bytes(buf.getvalue())
     shutil.rmtree(root / "bm25")
     meta = json.loads((root / "index.json").read_text())
-    del meta["bm25_layout"], meta["source"]
+    del meta["bm25_blocks"], meta["source"]
     (root / "index.json").write_text(json.dumps(meta))
     index = indexing.open_index(CacheStore.open(url), url)
     assert [h.id for h in index.search("dusty ledger", 1)] == []  # p3 is not in this 3-passage store
     assert [h.id for h in index.search("cobalt harbour", 1)] == ["p2"]
+    indexing.build_store_index(url)  # rewritten in the block layout
+    assert not (root / "bm25.npz").exists() and len(list((root / "bm25").iterdir())) == 1
+
+
+def test_appending_writes_one_new_block_and_leaves_old_ones(url):
+    indexing.build_store_index(url)
+    root = indexing.index_path(url)
+    import pathlib
+
+    before = {p: p.read_bytes() for p in pathlib.Path(root, "bm25").rglob("*.npy")}
+    add(url, [("p3", TEXTS[3])])
+    indexing.build_store_index(url)
+    after = {p: p.read_bytes() for p in pathlib.Path(root, "bm25").rglob("*.npy")}
+    assert all(after[p] == data for p, data in before.items())
+    assert len({p.parent for p in after}) == 2
