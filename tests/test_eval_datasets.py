@@ -145,3 +145,24 @@ def test_restrict_articles_keeps_whole_articles():
     assert len({q.title for q in kept}) == 2 and len(kept) == 10
     assert kept == restrict_articles(qs, 2, seed=1)  # seeded
     assert restrict_articles(qs, None, seed=1) == qs
+
+
+def test_per_benchmark_articles_and_limit_override_the_run_settings(tmp_path):
+    import json
+
+    from cachegraft_cli.errors import UsageError
+    from cachegraft_cli.evaluation.datasets import load_benchmark, parse_dataset_spec
+
+    articles = [{"title": f"T{a}", "paragraphs": [{"context": f"ctx {a} {p}", "qas": [
+        {"id": f"q{a}{p}{i}", "question": "?", "answers": [{"text": "x"}]} for i in range(3)]} for p in range(2)]}
+        for a in range(4)]
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps({"data": articles}))
+    spec = parse_dataset_spec(f"small={path}?articles=1&limit=4")
+    assert (spec.articles, spec.limit, spec.to_dict()["limit"]) == (1, 4, 4)
+    bench = load_benchmark(spec, limit=100, articles=3)
+    assert len(bench.questions) == 4 and len({q.title for q in bench.questions}) == 1
+    assert len(load_benchmark(f"all={path}", limit=100, articles=3).questions) == 18
+    assert "limit" not in parse_dataset_spec(str(path)).to_dict()
+    with pytest.raises(UsageError, match="limit"):
+        parse_dataset_spec(f"{path}?limit=zero")

@@ -23,7 +23,7 @@ def evaluate(
     corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
     articles: Annotated[Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")] = None,
     pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
-    judge_limit: Annotated[Optional[int], typer.Option(min=1, help="Judge only the first N sampled questions of each benchmark (all systems and k; saves CPU time).")] = None,
+    judge_limit: Annotated[Optional[int], typer.Option(min=1, help="Judge only N seeded-random questions of each benchmark (all their systems and k; saves CPU time).")] = None,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
     sharer: SharerOpt = None,

@@ -64,14 +64,16 @@ class DatasetSpec:
     columns: dict = field(default_factory=dict)
     corpus_path: str | None = None
     articles: int | None = None  # overrides the run's --articles for this benchmark
+    limit: int | None = None  # overrides the run's --limit for this benchmark
 
     def to_dict(self) -> dict:
         d = {
             "name": self.name, "source": self.source, "kind": self.kind, "split": self.split,
             "config": self.config, "columns": dict(self.columns), "corpus_path": self.corpus_path,
         }
-        if self.articles is not None:  # absent when unset, so older run directories still resume
-            d["articles"] = self.articles
+        for key in ("articles", "limit"):  # absent when unset, so older run directories still resume
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
 
@@ -103,14 +105,16 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     Column mapping keys: id, question, answers, context, title, gold_ids; a
     field may be dotted (`answers.text`). For JSONL `?corpus=PATH` names a
     separate passage file (JSONL with id, title, text or FlashRAG `contents`).
-    `?articles=N` samples this benchmark's questions from N articles (overrides
-    --articles, so each benchmark's corpus can be sized on its own).
+    `?articles=N` samples this benchmark's questions from N articles and
+    `?limit=N` samples N questions (overriding --articles / --limit, so each
+    benchmark can be sized on its own).
     """
     name, _, body = text.partition("=") if _has_name(text) else ("", "", text)
     body, _, query = body.partition("?")
     options = _parse_query(query, text)
     corpus_path = options.pop("corpus", None)
-    articles = _articles_option(options.pop("articles", None), text)
+    articles = _count_option("articles", options.pop("articles", None), text)
+    limit = _count_option("limit", options.pop("limit", None), text)
     if body.startswith("hf:"):
         spec = _hf_spec(name, body[3:], options, corpus_path)
     elif options:
@@ -118,14 +122,14 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     else:
         kind = "jsonl" if body.endswith(".jsonl") else "squad"
         spec = DatasetSpec(name or Path(body).stem, body, kind, corpus_path=corpus_path)
-    return dataclasses.replace(spec, articles=articles)
+    return dataclasses.replace(spec, articles=articles, limit=limit)
 
 
-def _articles_option(value: str | None, text: str) -> int | None:
+def _count_option(key: str, value: str | None, text: str) -> int | None:
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise UsageError(f"Bad articles={value!r} in {text!r}.", "Give a whole number >= 1, e.g. ?articles=2.")
+        raise UsageError(f"Bad {key}={value!r} in {text!r}.", f"Give a whole number >= 1, e.g. ?{key}=2.")
     return int(value)
 
 
@@ -138,9 +142,9 @@ def _parse_query(query: str, text: str) -> dict:
     options = {}
     for part in filter(None, query.split("&")):
         key, sep, value = part.partition("=")
-        if not sep or (key not in HF_COLUMNS and key not in ("corpus", "articles")):
+        if not sep or (key not in HF_COLUMNS and key not in ("corpus", "articles", "limit")):
             raise UsageError(f"Bad dataset option {part!r} in {text!r}.",
-                             f"Use key=value with keys {', '.join(HF_COLUMNS)}, corpus or articles.")
+                             f"Use key=value with keys {', '.join(HF_COLUMNS)}, corpus, articles or limit.")
         options[key] = value
     return options
 
@@ -379,7 +383,7 @@ def load_benchmark(spec: DatasetSpec | str, limit: int | None = None, seed: int 
     articles, so the `articles` corpus stays small enough for a CPU run."""
     spec = parse_dataset_spec(spec) if isinstance(spec, str) else spec
     questions, passages = read_dataset(spec)
-    if spec.articles is not None:
-        articles = spec.articles
+    articles = spec.articles if spec.articles is not None else articles
+    limit = spec.limit if spec.limit is not None else limit
     sampled = sample_questions(restrict_articles(questions, articles, seed), limit, seed)
     return Benchmark(spec.name, sampled, select_corpus(sampled, passages, corpus))

@@ -8,6 +8,7 @@ summary, report and plots are rebuilt from those files alone.
 from __future__ import annotations
 
 import json
+import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class RunConfig:
     answer_batch_size: int = 8
     judge_batch_size: int = 16
     answerer_config: dict = field(default_factory=dict)  # models, fuser, ...: checked on resume
-    judge_limit: int | None = None  # judge only the first N sampled questions of each benchmark
+    judge_limit: int | None = None  # judge only N seeded-random questions of each benchmark
 
     def specs(self) -> list[DatasetSpec]:
         return [parse_dataset_spec(b) if isinstance(b, str) else b for b in self.benchmarks]
@@ -224,12 +225,16 @@ def judge_pairs(judge, name: str, pending: list[tuple], pairs: RecordFile, confi
             bar.update(len(batch))
 
 
-def judged_answers(answers: list[dict], benchmarks: list[Benchmark], judge_limit: int | None) -> list[dict]:
-    """The answers judges see: all, or those to each benchmark's first `judge_limit` sampled
-    questions (a seeded random subset, the same for every system and k, so comparisons stay paired)."""
+def judged_answers(answers: list[dict], benchmarks: list[Benchmark], judge_limit: int | None,
+                   seed: int) -> list[dict]:
+    """The answers judges see: all, or those to `judge_limit` seeded-random questions of each
+    benchmark (the same questions for every system and k, so comparisons stay paired)."""
     if judge_limit is None:
         return answers
-    keep = {(b.name, q.id) for b in benchmarks for q in b.questions[:judge_limit]}
+    keep = set()
+    for b in benchmarks:
+        chosen = random.Random(f"judge-{seed}-{b.name}").sample(b.questions, min(judge_limit, len(b.questions)))
+        keep.update((b.name, q.id) for q in chosen)
     return [a for a in answers if (a["benchmark"], a["id"]) in keep]
 
 
@@ -281,7 +286,7 @@ def run_evaluation(config: RunConfig, answerer: Answerer, judge_loader: JudgeLoa
             answer_benchmark(bench, answerer, config, answers, progress)
         answerer.close_models()
         loader = judge_loader or (lambda spec: load_judge(spec, batch_size=config.judge_batch_size))
-        judged = judged_answers(answers.records(), benchmarks, config.judge_limit)
+        judged = judged_answers(answers.records(), benchmarks, config.judge_limit, config.seed)
         run_judges(config, judged, verdicts, pairs, loader, progress)
     finally:
         for f in files:
