@@ -162,6 +162,13 @@ class _Bm25:
     def load(cls, fs, root: str, meta: dict) -> _Bm25:
         """Blocks are memory-mapped when local. An index saved before blocks (one
         `bm25.npz`) is turned into one block from its token lists."""
+        try:
+            return cls._load(fs, root, meta)
+        except FileNotFoundError as exc:
+            raise RetrievalIndexError(f"{root}: BM25 file missing ({exc.filename or exc})", _rebuild_hint(_store_of(root))) from None
+
+    @classmethod
+    def _load(cls, fs, root: str, meta: dict) -> _Bm25:
         from cachegraft_cli.bm25 import BLOCK_ARRAYS, Block, Bm25, build_block
 
         vocab = json.loads(_read(fs, f"{root}/bm25_vocab.json"))

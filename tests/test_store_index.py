@@ -121,3 +121,16 @@ def test_appending_writes_one_new_block_and_leaves_old_ones(url):
     after = {p: p.read_bytes() for p in pathlib.Path(root, "bm25").rglob("*.npy")}
     assert all(after[p] == data for p, data in before.items())
     assert len({p.parent for p in after}) == 2
+
+
+def test_a_missing_block_file_is_a_typed_error_and_index_rebuilds(url):
+    import pathlib
+
+    from cachegraft_cli.errors import RetrievalIndexError
+
+    indexing.build_store_index(url)
+    next(pathlib.Path(indexing.index_path(url), "bm25").rglob("tf.npy")).unlink()
+    with pytest.raises(RetrievalIndexError, match="cachegraft index"):
+        indexing.open_index(CacheStore.open(url), url)
+    assert indexing.build_store_index(url)["mode"] == "built"
+    assert [h.id for h in indexing.open_index(CacheStore.open(url), url).search("amber falcon", 1)] == ["p0"]
