@@ -78,6 +78,7 @@ class Bm25:
             self._count_terms(block)
         self._pending: list[list[int]] = []
         self._replaced: dict[int, list[int]] = {}
+        self._norm: np.ndarray | None = None  # k1 * (1 - b + b * len / avgdl), per passage
 
     def count(self) -> int:
         return len(self.lengths) + len(self._pending)
@@ -95,14 +96,15 @@ class Bm25:
         out = np.zeros(self.count(), dtype=np.float32)
         if not ids or not len(self.lengths):
             return out
-        norm = K1 * (1 - B + B * self.lengths / max(float(self.lengths.mean()), 1e-9))
-        n = len(self.lengths)
+        if self._norm is None:
+            self._norm = (K1 * (1 - B + B * self.lengths / max(float(self.lengths.mean()), 1e-9))).astype(np.float32)
+        norm, n = self._norm, len(self.lengths)
         for term in ids:
             df = self.df[term] if term < len(self.df) else 0
             idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
             for block in self.blocks:
                 rows, tf = block.postings(term)
-                out[rows] += (idf * tf / (tf + norm[rows])).astype(np.float32)
+                out[rows] += np.float32(idf) * tf / (tf + norm[rows])
         return out
 
     def flush(self, terms: int) -> None:
@@ -121,6 +123,7 @@ class Bm25:
     def _append(self, block: Block) -> None:
         self.blocks.append(block)
         self.lengths = np.concatenate([self.lengths, np.diff(block.offsets)])
+        self._norm = None
         self._count_terms(block)
 
     def _rebuild(self, terms: int) -> None:

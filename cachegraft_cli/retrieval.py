@@ -1,6 +1,8 @@
 """Retrieval index over a passage set: BM25, dense, or hybrid.
 
-- BM25 (`bm25s`, Lucene variant, k1=1.5, b=0.75) over title + text. Tokens:
+- BM25 (Lucene variant, k1=1.5, b=0.75; the scores of bm25s' `lucene` method,
+  computed at query time by `cachegraft_cli.bm25` so that passages can be
+  appended without a rebuild) over title + text. Tokens:
   lowercase words of 2+ word characters minus bm25s' English stopwords, stemmed
   with PyStemmer when it is installed (recorded in the index; a stemmed index
   refuses to load without it). Documents with score 0 are never returned.
@@ -10,9 +12,9 @@
   1 / (60 + rank), each ranking cut at max(k, 100).
 
 Saved as a directory (local path or fsspec URL): `index.json` (written last;
-its presence marks a complete index), `bm25_vocab.json` + `bm25.npz` (token
-ids per passage, so `add` rebuilds BM25 without re-tokenising, and the bm25s
-score matrix, so loading needs no rebuild), `dense.npy`. Heavy modules are imported inside functions.
+its presence marks a complete index; it lists the BM25 blocks), `bm25_vocab.json`,
+`bm25/<block>/*.npy` (immutable postings blocks, memory-mapped on load; an
+update writes only new blocks), `dense.npy`. Heavy modules are imported inside functions.
 """
 
 from __future__ import annotations
