@@ -14,7 +14,8 @@
 Saved as a directory (local path or fsspec URL): `index.json` (written last;
 its presence marks a complete index; it lists the BM25 blocks), `bm25_vocab.json`,
 `bm25/<block>/*.npy` (immutable postings blocks, memory-mapped on load; an
-update writes only new blocks), `dense.npy`. Heavy modules are imported inside functions.
+update writes only new blocks), `passages.bin` (ids and content hashes by row,
+`cachegraft_cli.packed` format), `dense.npy`. Heavy modules are imported inside functions.
 """
 
 from __future__ import annotations
@@ -393,6 +394,10 @@ class RetrievalIndex:
         blocks = self._bm25.save(fs, root) if self._bm25 else None
         if self._dense:
             _write_npy(fs, f"{root}/dense.npy", self._dense.matrix)
+        from cachegraft_cli.packed import join_strings, pack_arrays
+
+        _write(fs, f"{root}/passages.bin", pack_arrays({"ids": join_strings(self.ids, "id"),
+                                                        "hashes": join_strings(self.hashes, "hash")}))
         _write(fs, f"{root}/index.json", json.dumps(self._manifest(blocks), indent=1).encode())
         _remove_unlisted_blocks(fs, root, blocks or [])
 
@@ -405,7 +410,7 @@ class RetrievalIndex:
             "dim": int(self._dense.matrix.shape[1]) if self._dense else None,
             "fusion": {"method": "rrf", "k": RRF_K, "depth": RRF_DEPTH} if self.kind == "hybrid" else None,
             "bm25_blocks": blocks,
-            "ids": self.ids, "hashes": self.hashes, "source": self.source,
+            "source": self.source,  # ids and content hashes are in passages.bin
         }
 
 
@@ -444,10 +449,26 @@ def load_index(path: str, *, embedder: str | None = None, store: str | None = No
         raise RetrievalIndexError(f"{path}: not a version-{VERSION} retrieval index", _rebuild_hint(store))
     bm25 = _Bm25.load(fs, root, meta) if meta["kind"] != "dense" else None
     dense = _load_dense(fs, root, meta, embedder) if meta["kind"] != "bm25" else None
-    index = RetrievalIndex(meta["kind"], bm25, dense, meta["ids"], meta["hashes"], meta.get("source"))
+    ids, hashes = _passages(fs, root, meta)
+    index = RetrievalIndex(meta["kind"], bm25, dense, ids, hashes, meta.get("source"))
     _check_loaded(index, meta, path, store)
     index._fingerprint = meta["fingerprint"]  # index.json is written last and whole: ids and fingerprint agree
     return index
+
+
+def _passages(fs, root: str, meta: dict) -> tuple[list[str], list[str]]:
+    """(ids, content hashes) by row: from passages.bin, or index.json in indexes saved before it."""
+    from cachegraft_cli.packed import split_strings, unpack_arrays
+
+    if "ids" in meta:
+        return meta["ids"], meta["hashes"]
+    try:
+        arrays = unpack_arrays(_read(fs, f"{root}/passages.bin"))
+    except (FileNotFoundError, ValueError) as exc:
+        raise RetrievalIndexError(f"{root}: passages.bin is missing or unreadable ({exc})",
+                                  _rebuild_hint(_store_of(root))) from None
+    n = meta["passages"]
+    return split_strings(arrays["ids"], n), split_strings(arrays["hashes"], n)
 
 
 def _remove_unlisted_blocks(fs, root: str, keep: list[str]) -> None:

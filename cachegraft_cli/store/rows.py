@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreCorruptError, UsageError
+from cachegraft_cli.errors import StoreCorruptError
+from cachegraft_cli.packed import join_strings, pack_arrays, split_strings, unpack_arrays
 
 INDEX_COLUMNS = ("id", "content_hash", "tokens", "offset", "parent_id", "chunk_index")
 CONTENT_COLUMNS = ("title", "text", "metadata")
-SEP = "\0"
 
 
 @dataclass
@@ -117,54 +117,12 @@ def _crc_matrix(crcs: list[dict]) -> tuple[list[str], np.ndarray]:
 
 # ---------------------------------------------------------------- format 2: rows.bin
 
-MAGIC = b"CGROWS1\n"
-_ALIGN = 64
-
-
-def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
-    """MAGIC, u64 header length, JSON header {name: [dtype, shape, offset]}, then each array's
-    C-order bytes at a 64-byte-aligned offset (unpacked as zero-copy views)."""
-    layout, offset = {}, 0
-    for name, a in arrays.items():
-        layout[name] = [a.dtype.str, list(a.shape), offset]
-        offset += -(-a.nbytes // _ALIGN) * _ALIGN
-    header = json.dumps(layout).encode()
-    body = bytearray(offset)
-    for name, a in arrays.items():
-        start = layout[name][2]
-        body[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
-    return MAGIC + len(header).to_bytes(8, "little") + header + bytes(body)
-
-
-def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
-    if blob[:len(MAGIC)] != MAGIC:
-        raise ValueError("not a cachegraft row table")
-    size = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 8], "little")
-    base = len(MAGIC) + 8 + size
-    layout = json.loads(blob[len(MAGIC) + 8:base])
-    out = {}
-    for name, (dtype, shape, offset) in layout.items():
-        count = int(np.prod(shape, dtype=np.int64))
-        out[name] = np.frombuffer(blob, dtype=np.dtype(dtype), count=count, offset=base + offset).reshape(shape)
-    return out
-
-
-def _blob(strings: list[str], what: str) -> np.ndarray:
-    if any(SEP in s for s in strings):
-        raise UsageError(f"a passage {what} contains a NUL character.", "Remove NUL characters from passage ids.")
-    return np.frombuffer(SEP.join(strings).encode("utf-8"), dtype=np.uint8)
-
-
-def _unblob(blob: np.ndarray, count: int) -> list[str]:
-    return blob.tobytes().decode("utf-8").split(SEP) if count else []
-
-
 def table_to_bin(table: SegmentTable) -> bytes:
     has_parent = np.array([p is not None for p in table.parents], dtype=bool)
     names = np.frombuffer(json.dumps(table.crc_columns).encode(), dtype=np.uint8)
     return pack_arrays({
-        "id": _blob(table.ids, "id"), "content_hash": table.hashes, "tokens": table.tokens,
-        "offset": table.offsets, "parent_id": _blob([p or "" for p in table.parents], "parent id"),
+        "id": join_strings(table.ids, "id"), "content_hash": table.hashes, "tokens": table.tokens,
+        "offset": table.offsets, "parent_id": join_strings([p or "" for p in table.parents], "parent id"),
         "has_parent": has_parent, "chunk_index": table.chunk_index, "crcs": table.crcs, "crc_columns": names})
 
 
@@ -172,10 +130,10 @@ def table_from_bin(segment: str, blob: bytes) -> SegmentTable:
     a = unpack_arrays(blob)
     n = len(a["tokens"])
     if a["has_parent"].any():
-        parents = [p if has else None for p, has in zip(_unblob(a["parent_id"], n), a["has_parent"].tolist())]
+        parents = [p if has else None for p, has in zip(split_strings(a["parent_id"], n), a["has_parent"].tolist())]
     else:
         parents = [None] * n
-    return SegmentTable(segment, _unblob(a["id"], n), a["content_hash"], a["tokens"], a["offset"], parents,
+    return SegmentTable(segment, split_strings(a["id"], n), a["content_hash"], a["tokens"], a["offset"], parents,
                         a["chunk_index"], json.loads(a["crc_columns"].tobytes()), a["crcs"])
 
 
