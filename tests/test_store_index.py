@@ -95,6 +95,7 @@ def test_an_index_saved_as_one_npz_file_still_loads(url):
 
     indexing.build_store_index(url)
     root = Path(indexing.index_path(url))
+    saved = load_index(str(root))
     (block,) = (root / "bm25").iterdir()
     buf = io.BytesIO()  # the earlier layout: token lists (+ a bm25s score matrix, not read any more)
     np.savez(buf, tokens=np.load(block / "tokens.npy"), offsets=np.load(block / "offsets.npy"))
@@ -102,7 +103,6 @@ def test_an_index_saved_as_one_npz_file_still_loads(url):
     shutil.rmtree(root / "bm25")
     meta = json.loads((root / "index.json").read_text())
     del meta["bm25_blocks"], meta["source"]
-    saved = load_index(str(root))
     meta["ids"], meta["hashes"] = saved.ids, saved.hashes  # kept in index.json before passages.bin
     (root / "passages.bin").unlink()
     (root / "index.json").write_text(json.dumps(meta))
