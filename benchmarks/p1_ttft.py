@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     bc.set_threads(args.threads)
     from cachegraft_cli.ask import Asker
 
-    if args.store:
-        url, session = args.store, bc.session_for("closed")
+    if args.store:  # the models the store names (e.g. `pulled:` ones), never the fuser: asking needs none
+        url, session = args.store, None
         passages, questions = bc.store_data(url)
     else:
         url, session, passages, questions = bc.real_store(args.passages, args.seed, args.fuser)
