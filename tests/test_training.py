@@ -260,3 +260,43 @@ def test_lm_objective_on_plain_text(tiny_dirs, tmp_path):
     summary = run(_config(tiny_dirs, texts, tmp_path / "lm", objective="lm", max_steps=2), progress=False)
     assert summary["steps"] == 2 and summary["data"]["train_items"] >= 2
     assert summary["closed_val_nll"] > 0
+
+
+def test_multi_passage_items_are_assembled_as_ask_assembles_them(tiny_models):
+    """Past of an item with 3 passages == prefix + each passage as encode fuses it, keys re-rotated
+    by its offset (the `rotate` scheme of `ask`); padding in a mixed batch changes nothing."""
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    tpl, fuser, engine, ids, bank, prefix, items = _setup(r, s)
+    fuser.set_gates(1.0)
+    with torch.no_grad():
+        torch.nn.init.normal_(fuser.projectors[0].key_proj_out.weight, std=0.5)
+    fuser.eval()
+    lengths = {k: len(v) for k, v in ids.items()}
+    multi = objectives.with_distractors(items, list(ids), lengths, 3, seed=5)
+    item = multi[0]
+    assert len(item.parts) == 3 and item.passage in dict(item.parts) and item.past_tokens == sum(n for _, n in item.parts)
+    assert multi == objectives.with_distractors(items, list(ids), lengths, 3, seed=5)
+    rotator = kvcache.KeyRotator.for_model(r.model)
+    with torch.no_grad():
+        past, got_lengths = objectives.fused_past(fuser, bank, prefix, [item], False, rotator)
+        encoded = engine.fuse([ids[k] for k, _ in item.parts])
+    pieces, offset = [kvcache.unbatched(prefix)], 0
+    for enc, (_, n) in zip(encoded, item.parts):
+        pieces.append(rotator.rotate(enc.fused, offset))
+        offset += n
+    want = kvcache.concat_tokens(pieces)
+    assert got_lengths == [item.past_tokens]
+    for (k, v), (wk, wv) in zip(kvcache.unbatched(past), want):
+        assert torch.allclose(k, wk, atol=1e-5) and torch.allclose(v, wv, atol=1e-5)
+    with torch.no_grad():
+        batch = [multi[0], items[3], multi[4]]
+        total, n = objectives.batch_nll(r, fuser, bank, prefix, batch)
+        singles = [objectives.batch_nll(r, fuser, bank, prefix, [i]) for i in batch]
+    assert n == sum(c for _, c in singles) and abs(float(total) - sum(float(x) for x, _ in singles)) < 1e-3
+
+
+def test_passages_per_item_trains_and_is_checked(tiny_dirs, squad_file, tmp_path):
+    summary = run(_config(tiny_dirs, squad_file, tmp_path / "k3", passages_per_item=3), progress=False)
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    with pytest.raises(TrainingError, match="passages-per-item"):
+        _config(tiny_dirs, squad_file, tmp_path / "x", passages_per_item=2, objective="lm").check()

@@ -43,6 +43,7 @@ class TrainConfig:
     max_val_items: int | None = 128
     max_passage_tokens: int = 256
     max_answer_tokens: int = 32
+    passages_per_item: int = 1  # qa: the answer's passage among this many (distractors from the same split)
     lm_fused_fraction: float = 0.5
     lm_target_tokens: int = 48
     allow_eval_sets: bool = False
@@ -76,6 +77,9 @@ class TrainConfig:
             raise TrainingError(f"--val-fraction {self.val_fraction} is outside [0, 1).", "Use e.g. 0.1.")
         if self.save_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown save dtype {self.save_dtype!r}.", "Use float32 or bfloat16.")
+        if self.passages_per_item < 1 or (self.passages_per_item > 1 and self.objective != "qa"):
+            raise TrainingError(f"--passages-per-item {self.passages_per_item} needs >= 1, and > 1 only with --objective qa.",
+                                "Use e.g. --objective qa --passages-per-item 3 to train for asking at k=3.")
         if self.cache_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown cache dtype {self.cache_dtype!r}.", "Use float32 or bfloat16.")
 

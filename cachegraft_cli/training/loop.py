@@ -12,11 +12,12 @@ import torch
 
 from cachegraft_cli.errors import TrainingError
 from cachegraft_cli.training import fusermodel, objectives, setup
+from cachegraft_cli.training.config import TrainConfig
 from cachegraft_cli.training.log import Progress, RunLog, say
 
 STATE_DIR = "checkpoint"
 RESUME_KEYS = ("receiver", "sharer", "objective", "sharer_input", "data", "val_data", "seed", "hidden_dim",
-               "intermediate_dim", "num_layers", "batch_size", "epochs", "max_steps", "lr", "gate_lr")
+               "intermediate_dim", "num_layers", "batch_size", "epochs", "max_steps", "lr", "gate_lr", "passages_per_item")
 
 
 def epoch_batches(items, batch_size: int, seed: int, epoch: int) -> list[list]:
@@ -85,7 +86,8 @@ class Trainer:
         if not (folder / "state.json").is_file():
             return False
         meta = json.loads((folder / "state.json").read_text())
-        differ = [k for k in RESUME_KEYS if meta["config"].get(k) != getattr(self.c, k)]
+        saved = {k: meta["config"].get(k, getattr(TrainConfig, k, None)) for k in RESUME_KEYS}  # older runs: defaults
+        differ = [k for k in RESUME_KEYS if saved[k] != getattr(self.c, k)]
         if differ:
             raise TrainingError(
                 f"Cannot resume: {', '.join(differ)} differ from the interrupted run in {self.out}.",

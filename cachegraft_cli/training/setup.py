@@ -103,8 +103,9 @@ def select_passages(config, template, dataset, val_dataset):
 def build_items(config, template, ids, keys, questions):
     lengths = {k: len(ids[k]) for k in keys}
     if config.objective == "qa":
-        return objectives.qa_items([q for q in questions if q.passage in lengths], template, lengths,
-                                   config.max_answer_tokens)
+        items = objectives.qa_items([q for q in questions if q.passage in lengths], template, lengths,
+                                    config.max_answer_tokens)
+        return objectives.with_distractors(items, list(keys), lengths, config.passages_per_item, config.seed)
     return objectives.lm_items({k: ids[k] for k in keys}, config.lm_fused_fraction, config.lm_target_tokens)
 
 
