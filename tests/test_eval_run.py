@@ -162,6 +162,9 @@ def test_comparisons_and_headline(full_run):
     assert "graft vs adapter" not in head
     kappa = summary["judge_agreement"][0]
     assert kappa["judge"] == "judge-a" and kappa["n"] == 7 * N and -1 <= kappa["kappa_em"] <= 1
+    # the stub says 0.9 for every answer containing the gold (EM or "gold perhaps"), else 0.2: every
+    # EM-correct answer outscores every answer without the gold, ties with the "perhaps" ones
+    assert 0.5 < kappa["auc_em"] < 1.0
 
 
 def test_report_structure(full_run):

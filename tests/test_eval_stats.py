@@ -3,7 +3,7 @@ import math
 import pytest
 
 from cachegraft_cli.evaluation.stats import (
-    bootstrap_ci, cohen_kappa, holm, mcnemar_exact, paired_comparison, wins_ties_losses,
+    bootstrap_ci, cohen_kappa, holm, rank_auc, mcnemar_exact, paired_comparison, wins_ties_losses,
 )
 
 
@@ -50,3 +50,10 @@ def test_paired_comparison():
     assert result.p_value == pytest.approx(0.0386, abs=1e-4)
     with pytest.raises(ValueError):
         wins_ties_losses([1], [1, 0])
+
+
+def test_rank_auc_known():
+    # positives 0.9, 0.4; negatives 0.5, 0.1: pairs won 3 of 4
+    assert rank_auc([0.9, 0.5, 0.4, 0.1], [1, 0, 1, 0]) == pytest.approx(0.75)
+    assert rank_auc([0.3, 0.3], [1, 0]) == pytest.approx(0.5)  # a tie counts half
+    assert math.isnan(rank_auc([0.3, 0.2], [1, 1]))

@@ -52,11 +52,12 @@ def _judge_section(summary: dict) -> list[str]:
         return []
     body = [[j["benchmark"], j["system"], _k(j["k"]), j["judge"], j["n"], _ci(j["accuracy"], j["ci"])]
             for j in summary["judge_scores"]]
-    agree = [[a["judge"], a["n"], _num(a["kappa_em"]), _num(a["kappa_f1"])] for a in summary["judge_agreement"]]
+    agree = [[a["judge"], a["n"], _num(a["kappa_em"]), _num(a["kappa_f1"]), _num(a.get("auc_em", float("nan")))]
+             for a in summary["judge_agreement"]]
     return ["## Judge accuracy (% judged correct)", "",
             *table(["benchmark", "system", "k", "judge", "n", "correct [95% CI]"], body), "",
             "## Judge agreement (Cohen's kappa)", "",
-            *table(["judge", "n", "kappa vs EM", "kappa vs F1>=0.5"], agree), ""]
+            *table(["judge", "n", "kappa vs EM", "kappa vs F1>=0.5", "AUC of its probability vs EM"], agree), ""]
 
 
 def _mark(c: dict) -> str:

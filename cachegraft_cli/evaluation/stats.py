@@ -100,3 +100,16 @@ def cohen_kappa(a: Sequence, b: Sequence) -> float:
     if expected == 1.0:
         return 1.0
     return (observed - expected) / (1.0 - expected)
+
+
+def rank_auc(scores: Sequence[float], labels: Sequence[int]) -> float:
+    """Area under the ROC curve of `scores` for binary `labels` (ties count half):
+    the chance that a random positive outscores a random negative. NaN without both classes."""
+    _check_paired(scores, labels)
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
+        return float("nan")
+    from scipy.stats import mannwhitneyu
+
+    return float(mannwhitneyu(pos, neg).statistic) / (len(pos) * len(neg))

@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Sequence
 
 from cachegraft_cli.evaluation.metrics import mean
-from cachegraft_cli.evaluation.stats import ALPHA, bootstrap_ci, cohen_kappa, holm, paired_comparison
+from cachegraft_cli.evaluation.stats import ALPHA, bootstrap_ci, cohen_kappa, holm, paired_comparison, rank_auc
 
 COMPARISON_PAIRS = (("graft", "text"), ("graft", "cache"), ("graft", "adapter"))
 EM_JUDGE = "em"
@@ -72,7 +72,8 @@ def judge_scores(verdicts: list[dict], config: dict) -> list[dict]:
 
 
 def judge_agreement(answers: list[dict], verdicts: list[dict]) -> list[dict]:
-    """Cohen's kappa of each judge vs EM labels and vs F1>=0.5 labels, same answers."""
+    """Cohen's kappa of each judge's verdicts vs EM labels and vs F1>=0.5 labels, same answers;
+    and the AUC of its probability vs EM labels (signal a miscalibrated threshold can hide)."""
     by_key = {(a["benchmark"], a["id"], a["system"], a["k"]): a for a in answers}
     out = []
     for (judge,), rows in _group(verdicts, ("judge",)).items():
@@ -80,7 +81,9 @@ def judge_agreement(answers: list[dict], verdicts: list[dict]) -> list[dict]:
         labels = [v for v, _ in pairs]
         out.append({"judge": judge, "n": len(pairs),
                     "kappa_em": cohen_kappa(labels, [int(a["em"] >= 1.0) for _, a in pairs]),
-                    "kappa_f1": cohen_kappa(labels, [int(a["f1"] >= 0.5) for _, a in pairs])})
+                    "kappa_f1": cohen_kappa(labels, [int(a["f1"] >= 0.5) for _, a in pairs]),
+                    "auc_em": rank_auc([r["probability"] for r in rows if _answer_key(r) in by_key],
+                                       [int(a["em"] >= 1.0) for _, a in pairs])})
     return out
 
 
