@@ -49,7 +49,7 @@ def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
 
 def join_strings(strings: list[str], what: str) -> np.ndarray:
     if any(SEP in s for s in strings):
-        raise UsageError(f"a passage {what} contains a NUL character.", "Remove NUL characters from passage ids.")
+        raise UsageError(f"a passage {what} contains a NUL character.", f"Remove NUL characters from passage {what}s.")
     return np.frombuffer(SEP.join(strings).encode("utf-8"), dtype=np.uint8)
 
 

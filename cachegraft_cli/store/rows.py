@@ -2,8 +2,8 @@
 
 Format 2 stores keep each segment's index columns in `rows.bin`: raw arrays
 behind a small JSON header, opened as zero-copy numpy views without a Python
-object per row, so opening a 100k-passage store does not parse 100k rows. Ids are one NUL-separated UTF-8 blob
-(one `split` at load). Format 1 stores keep columnar JSON (`rows.json`) and
+object per row, so opening a 100k-passage store does not parse 100k rows.
+Ids are one NUL-separated UTF-8 blob (one `split` at load). Format 1 stores keep columnar JSON (`rows.json`) and
 are still read, and appended to, in that form.
 """
 
@@ -141,9 +141,7 @@ def table_from_bin(segment: str, blob: bytes) -> SegmentTable:
 
 
 def table_to_json(table: SegmentTable) -> dict:
-    kinds: dict[str, dict] = {}
-    for col in table.crc_columns:
-        kinds.setdefault(col.split("/", 1)[0], {})
+    kinds = dict.fromkeys(col.split("/", 1)[0] for col in table.crc_columns)  # ordered, unique
     crcs = [{kind: table.checksum(i, kind) for kind in kinds} for i in range(len(table))]
     rows = [table.row(i) for i in range(len(table))]
     return {"columns": {**{name: [getattr(r, name) for r in rows] for name in INDEX_COLUMNS}, "checksums": crcs}}
