@@ -8,7 +8,8 @@ rotates every batch) so that drift in machine load hits all of them alike:
 - receiver: `FusionEngine(receiver, prefix)` (no sharer) -> receiver prefill
 - sharer:   `FusionEngine(sharer, prefix)` the same way -> sharer prefill
 - fuse:     `FusionEngine(receiver, prefix, sharer, fuser)` -> full fuse,
-            once with the fuser in float32 (its default) and once cast to bf16
+            once with the fuser in float32 (its default) and once cast to bf16;
+            `--fuser SPEC` adds a trained fuser (its own width and dtype)
 
 Reports seconds per 1,000 real passage tokens (pads excluded: they are part of
 the cost of batching) and fuse / (receiver + sharer), over all batches and as
@@ -23,7 +24,7 @@ receiver + sharer. `--max-tokens` and `--budget-s` bound the run on slow CPUs
 
     python benchmarks/fuse_speed.py [--n 32] [--batch-sizes 1,8] [--threads 2] [--dtype bfloat16]
         [--max-tokens 0] [--rounds 1] [--budget-s 0]
-        [--receiver DIR] [--sharer DIR] [--data SQUAD_JSON] [--profile]
+        [--receiver DIR] [--sharer DIR] [--data SQUAD_JSON] [--fuser SPEC] [--profile]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from cachegraft_cli import fusion  # noqa: E402
+from cachegraft_cli.fuser import load_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
 from cachegraft_cli.fusion import FusionEngine  # noqa: E402
 from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="per batch size: stop after the first batch that ends past this many seconds (0 = all)")
     ap.add_argument("--seed", type=int, default=0, help="passage sample and fuser init")
     ap.add_argument("--no-bf16-fuser", action="store_true", help="skip the bf16-cast fuser condition")
+    ap.add_argument("--fuser", default=None,
+                    help="also time this trained fuser (builtin:NAME or a dir), as condition fuse_trained")
     ap.add_argument("--profile", action="store_true", help="time the parts of one fuse at the largest batch size")
     return ap.parse_args(argv)
 
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     passages = [template.passage_ids(t, c) for t, c in load_passages(args.data, args.n, args.seed)]
     passages = [p[: args.max_tokens or None] for p in passages]
     fusers = build_fusers(receiver, sharer, args.seed, not args.no_bf16_fuser)
+    if args.fuser:
+        fusers["trained"] = load_fuser(args.fuser).eval()
     conditions = build_conditions(receiver, sharer, fusers, template.prefix_ids())
     conditions = drop_failing(conditions, [passages[0][:4]])  # a short warm-up: one-time init only
     sizes = [int(s) for s in args.batch_sizes.split(",")]

@@ -12,10 +12,11 @@ compressed, as `store info` counts them) and, answering every question with
 `graft` at k from each store (greedy), mean SQuAD F1 per codec and the change
 vs float32 (lossless) in F1 points, with a paired 95% interval.
 
---fuser closed (default) makes graft answer from the receiver's own caches:
-no trained fuser exists yet and a random open fuser gives nonsense answers,
-so the F1 change measures what the codec does to a real KV cache. --fuser
-random (or a fuser dir) is accepted for the bytes figures.
+--fuser closed (default) makes graft answer from the receiver's own caches,
+so the F1 change measures what the codec does to a real KV cache without
+depending on any fuser (and without the sharer's cost). A trained fuser dir
+(e.g. the shipped one's) measures it on fused caches; --fuser random is only
+meaningful for the bytes figures (a random open fuser answers nonsense).
 
     python benchmarks/p3_codecs.py [--questions 200] [--k 3] [--fuser closed|random|DIR]
 """

@@ -235,3 +235,25 @@ def test_judge_limit_judges_the_same_question_subset_for_every_system(full_run, 
     assert judged_rows and all(c["n"] == 8 for c in judged_rows)
     assert all(c["n"] == N for c in summary["comparisons"] if c["judge"] == "em" and c["b"] == "text")
     assert json.loads((tmp_path / "o" / "config.json").read_text())["judge_limit"] == 8
+
+
+def test_resume_may_add_and_drop_judges_without_reanswering(full_run, tmp_path):
+    qa, out = full_run["qa"], tmp_path / "out"
+    run_evaluation(make_config(qa, out, judges=[]), FakeAnswerer(), stub_loader(), progress=False)
+    answerer, loader = FakeAnswerer(), stub_loader()
+    summary = run_evaluation(make_config(qa, out), answerer, loader, progress=False)
+    assert answerer.count == 0 and [j.name for j in loader.loaded] == ["stub/judge-a"]
+    assert summary == full_run["summary"]  # same as judging from the start
+    loader = stub_loader()
+    both = run_evaluation(make_config(qa, out, judges=["stub/judge-a", "stub/judge-b"]), FakeAnswerer(), loader,
+                          progress=False)
+    assert [j.name for j in loader.loaded] == ["stub/judge-b"]  # judge-a's verdicts are kept
+    assert {a["judge"] for a in both["judge_agreement"]} == {"judge-a", "judge-b"}
+    only_b = run_evaluation(make_config(qa, out, judges=["stub/judge-b"]), FakeAnswerer(), stub_loader(),
+                            progress=False)
+    assert {c["judge"] for c in only_b["comparisons"]} == {"em", "judge-b"}
+    assert only_b["counts"]["verdicts"] == 7 * N
+    saved = json.loads((out / "config.json").read_text())
+    assert [j["name"] for j in saved["judges"]] == ["judge-b"]
+    with pytest.raises(UsageError, match="judge_limit"):
+        run_evaluation(make_config(qa, out, judges=["stub/judge-b"], judge_limit=5), FakeAnswerer())

@@ -14,7 +14,7 @@ def evaluate(
         list[str],
         typer.Option("--benchmark", "-B", help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable."),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (re-run to resume).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (re-run to resume; judges may be added or dropped on resume).")],
     systems: Annotated[str, typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter.")] = "graft,text,cache,closed",
     ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
     judge: Annotated[list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")] = [],

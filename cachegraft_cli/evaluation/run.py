@@ -107,23 +107,33 @@ def validate(config: RunConfig) -> None:
         raise UsageError("Bad evaluation settings: " + "; ".join(problems) + ".")
 
 
+# Settings that only decide who judges: a resumed run may change them (add or drop a
+# judge) without touching its answers. Verdicts are kept per judge, and the summary
+# counts only the judges the config names. judge_limit is not among them: it decides
+# which answers are judged, so changing it would mix two judged subsets.
+JUDGING_KEYS = ("judges", "pairwise", "judge_batch_size")
+
+
 def prepare_run_dir(config: RunConfig) -> Path:
-    """Create the run directory, or check that it was made with the same config."""
+    """Create the run directory, or check that it was made with the same config
+    (judges may change; see JUDGING_KEYS)."""
     run_dir = Path(config.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     path, wanted = run_dir / "config.json", config.to_dict()
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved != wanted:
-            raise UsageError(f"{run_dir} holds a run with other settings ({_diff(saved, wanted)}).",
-                             "Resume with the same arguments, or choose a new output directory.")
-    else:
-        path.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        fixed = _diff(saved, wanted, ignore=JUDGING_KEYS)
+        if fixed:
+            raise UsageError(f"{run_dir} holds a run with other settings ({fixed}).",
+                             "Resume with the same arguments (judges may change), or choose a new output directory.")
+        if saved == wanted:
+            return run_dir
+    path.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return run_dir
 
 
-def _diff(saved: dict, wanted: dict) -> str:
-    keys = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+def _diff(saved: dict, wanted: dict, ignore: Sequence[str] = ()) -> str:
+    keys = sorted(k for k in set(saved) | set(wanted) if k not in ignore and saved.get(k) != wanted.get(k))
     return "; ".join(f"{k}: was {saved.get(k)!r}, now {wanted.get(k)!r}" for k in keys)
 
 
@@ -262,9 +272,10 @@ def write_outputs(run_dir: Path) -> dict:
     """summary.json, report.md and plots, from config.json and the JSONL files only."""
     run_dir = Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
-    summary = summarize(config, read_records(run_dir / "answers.jsonl", ANSWER_KEY),
-                        read_records(run_dir / "verdicts.jsonl", VERDICT_KEY),
-                        read_records(run_dir / "pairwise.jsonl", PAIR_KEY))
+    judges = {j["name"] for j in config["judges"]}  # verdicts of judges dropped on resume stay on disk, unused
+    verdicts = [v for v in read_records(run_dir / "verdicts.jsonl", VERDICT_KEY) if v["judge"] in judges]
+    pairs = [v for v in read_records(run_dir / "pairwise.jsonl", PAIR_KEY) if v["judge"] in judges]
+    summary = summarize(config, read_records(run_dir / "answers.jsonl", ANSWER_KEY), verdicts, pairs)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     plots = write_plots(summary, run_dir)
     (run_dir / "report.md").write_text(render_report(summary, plots), encoding="utf-8")
