@@ -66,7 +66,11 @@ class StoreAnswerer:
         key = fuser or "closed"
         if key not in self._sessions:
             c = self.config
-            self._sessions[key] = ModelSession(ModelChoice(c.receiver, c.sharer, fuser or "closed", c.device, c.dtype))
+            session = ModelSession(ModelChoice(c.receiver, c.sharer, fuser or "closed", c.device, c.dtype))
+            loaded = [s.__dict__["receiver"] for s in self._sessions.values() if "receiver" in s.__dict__]
+            if loaded:  # one receiver in memory however many fusers (it is only read)
+                session.__dict__["receiver"] = loaded[0]
+            self._sessions[key] = session
         return self._sessions[key]
 
     def prepare(self, benchmark_name: str, passages: list[dict]) -> None:
@@ -83,6 +87,17 @@ class StoreAnswerer:
             with EncodeProgress(len(rows), f"encode {benchmark_name}") as bar:
                 encode_corpus(rows, url, self._session(fuser), options, progress=bar)
             build_store_index(url, self.config.index_kind)
+        if "sharer-text" not in self.systems:
+            self._release_sharers()
+
+    def _release_sharers(self) -> None:
+        """Answering reads stored caches: only `sharer-text` runs the sharer. Dropping it
+        (and the encode engine that holds it) frees most of what a run keeps in memory
+        for hours; the next benchmark's encode loads it again (cached properties)."""
+        for session in self._sessions.values():
+            session.__dict__.pop("sharer", None)
+            session.__dict__.pop("_engine", None)
+        gc.collect()
 
     def _fusers(self) -> list[str | None]:
         fusers = [self.config.fuser]

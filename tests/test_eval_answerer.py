@@ -1,0 +1,92 @@
+"""`cachegraft evaluate` with the real answerer and tiny models: the CLI end to end,
+graft == cache under a closed fuser, and what the answerer keeps in memory."""
+
+import json
+import sys
+
+import pytest
+
+from cachegraft_cli.cli.app import main
+
+ARTICLES = [
+    ("Harbor town", "Harbor town was founded in 1820 by fishermen who built the first lighthouse.",
+     [("h1", "Who built the lighthouse?", "fishermen"), ("h2", "When was Harbor town founded?", "1820")]),
+    ("Treaty", "The treaty was signed in Vienna after long talks between the two empires.",
+     [("t1", "Where was the treaty signed?", "Vienna")]),
+    ("Photosynthesis", "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+     [("p1", "What does photosynthesis make?", "sugar and oxygen")]),
+]
+
+
+@pytest.fixture(scope="module")
+def qa_file(tmp_path_factory):
+    data = [{"title": title, "paragraphs": [{"context": text, "qas": [
+        {"id": i, "question": q, "answers": [{"text": a, "answer_start": text.find(a)}]} for i, q, a in qas]}]}
+        for title, text, qas in ARTICLES]
+    path = tmp_path_factory.mktemp("qa") / "tiny.json"
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def _fuser_dir(tiny_models, path, sharer_input="model"):
+    import torch
+
+    from cachegraft_cli.fuser.checkpoint import save_published
+    from cachegraft_cli.fuser.fuser import Fuser
+
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    torch.manual_seed(0)
+    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, sharer_input=sharer_input,
+                         hidden_dim=32, intermediate_dim=32)
+    fuser.set_gates(1.0)
+    save_published(fuser, path)
+    return str(path)
+
+
+def test_evaluate_cli_closed_fuser_graft_equals_cache(qa_file, tiny_dirs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", out, "--stores", tmp_path / "stores",
+            "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"], "--fuser", "closed",
+            "--systems", "graft,text,cache,closed", "--k", "1,2", "--max-new-tokens", "3",
+            "--dtype", "float32", "--codec", "float32", "--json"]
+    monkeypatch.setattr(sys, "argv", list(map(str, args)))
+    with pytest.raises(SystemExit) as info:
+        main()
+    stdout = capsys.readouterr().out
+    assert (info.value.code or 0) == 0
+    summary = json.loads(stdout)
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 * (3 * 2 + 1)  # 4 questions x (graft, text, cache at k=1,2 + closed)
+    by = {(a["id"], a["system"], a["k"]): a for a in answers}
+    for qid in ("h1", "h2", "t1", "p1"):
+        for k in (1, 2):
+            graft, cache = by[(qid, "graft", k)], by[(qid, "cache", k)]
+            assert graft["answer"] == cache["answer"] and graft["retrieved"] == cache["retrieved"]
+            assert 1 <= len(graft["retrieved"]) <= k  # BM25 returns only passages that share a term
+    ties = [c for c in summary["comparisons"] if c["b"] == "cache"]
+    assert ties and all(c["wins"] == c["losses"] == 0 for c in ties)
+    assert (out / "report.md").read_text().startswith("# CacheGraft evaluation")
+
+
+def test_answerer_shares_the_receiver_and_drops_the_sharer_after_encoding(qa_file, tiny_dirs, tiny_models, tmp_path):
+    from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
+    from cachegraft_cli.evaluation.datasets import load_benchmark
+
+    fuser = _fuser_dir(tiny_models, tmp_path / "open")
+    adapter = _fuser_dir(tiny_models, tmp_path / "adapter", sharer_input="zero")
+    config = AnswererConfig(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), fuser, adapter,
+                            codec="float32", max_new_tokens=2, dtype="float32", stores_dir=str(tmp_path / "stores"))
+    bench = load_benchmark(f"tiny={qa_file}")
+    answerer = StoreAnswerer(config, ["graft", "adapter", "text"])
+    answerer.prepare(bench.name, bench.passage_dicts())
+    main_session, adapter_session = (answerer._session(f) for f in (fuser, adapter))
+    assert adapter_session.receiver is main_session.receiver
+    assert "sharer" not in main_session.__dict__ and "_engine" not in main_session.__dict__
+    graft = answerer.answer(bench.name, bench.questions[:2], "graft", 1)
+    adapted = answerer.answer(bench.name, bench.questions[:2], "adapter", 1)
+    assert len(graft) == len(adapted) == 2 and all(r["passages"] for r in graft + adapted)
+    assert "sharer" not in main_session.__dict__  # answering graft never needs it
+    # with sharer-text among the systems the sharer stays loaded
+    keep = StoreAnswerer(config, ["graft", "sharer-text"])
+    keep.prepare(bench.name, bench.passage_dicts())
+    assert "sharer" in keep._session(fuser).__dict__
