@@ -1,6 +1,6 @@
 """CPU speed of fusing passages vs. running the receiver and the sharer alone.
 
-Loads the receiver and sharer (bf16, CPU) and a random-initialised fuser with
+Loads the receiver and sharer (CPU, the library's dtype) and a random-initialised fuser with
 open gates, tokenizes N SQuAD passages with the shared prompt template, and
 times three conditions per batch size, interleaved batch by batch (the order
 rotates every batch) so that drift in machine load hits all of them alike:
@@ -22,7 +22,7 @@ By matmul FLOPs per token (receiver 0.72 G, sharer 2.62 G, fuser at hidden
 receiver + sharer. `--max-tokens` and `--budget-s` bound the run on slow CPUs
 (bf16 without AVX512-BF16/AMX runs several times slower than float32).
 
-    python benchmarks/fuse_speed.py [--n 32] [--batch-sizes 1,8] [--threads 2] [--dtype bfloat16]
+    python benchmarks/fuse_speed.py [--n 32] [--batch-sizes 1,8] [--threads 2] [--dtype float32|bfloat16]
         [--max-tokens 0] [--rounds 1] [--budget-s 0]
         [--receiver DIR] [--sharer DIR] [--data SQUAD_JSON] [--fuser SPEC] [--profile]
 """
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=32, help="passages")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16", help="model dtype (the fuser is float32, plus a bf16 cast)")
+    ap.add_argument("--dtype", default=None,
+                    help="model dtype; default: the library's for the CPU (float32 unless it has fast bf16)")
     ap.add_argument("--max-tokens", type=int, default=0, help="truncate passages to this many tokens (0 = whole)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the passages per batch size")
     ap.add_argument("--budget-s", type=float, default=0,
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {bs: measure(conditions, passages, bs, args.rounds, args.budget_s) for bs in sizes}
     print_table(results)
     parts = profile_fuse(conditions, sorted(passages, key=len, reverse=True)[: max(sizes)]) if args.profile else None
-    print(json.dumps({"n": len(passages), "threads": torch.get_num_threads(), "dtype": args.dtype,
+    print(json.dumps({"n": len(passages), "threads": torch.get_num_threads(), "dtype": str(receiver.dtype),
                       "max_tokens": args.max_tokens, "cpu_fast_bf16": cpu_has_fast_bf16(),
                       "results": {str(bs): r for bs, r in results.items()}, "profile_s": parts}))
     return 0

@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 # (key, script, small-size arguments)
 SUITE = [
     ("p1", "p1_ttft.py", ["--questions", "3", "--repeats", "2"]),
-    ("p2", "fuse_speed.py", ["--n", "8", "--batch-sizes", "1,4", "--no-bf16-fuser"]),
+    ("p2", "fuse_speed.py", ["--n", "8", "--batch-sizes", "1,4", "--no-bf16-fuser",
+                             "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa"]),
     ("p3", "p3_codecs.py", ["--questions", "30"]),
     ("p4", "p4_p5_store_scale.py", ["--repeats", "10", "--append-repeats", "2"]),
     ("p6", "p6_memory.py", ["--repeats", "1"]),
