@@ -15,6 +15,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -123,8 +124,18 @@ def ensure_store(url: str, passages, session, codec: str = "bf16", batch_size: i
     from cachegraft_cli.encode import EncodeOptions, encode_corpus
     from cachegraft_cli.indexing import build_store_index
 
+    from cachegraft_cli.errors import StoreMismatchError
+
     t0 = time.perf_counter()
-    summary = encode_corpus(passages, url, session, EncodeOptions(codec=codec, batch_size=batch_size))
+    options = EncodeOptions(codec=codec, batch_size=batch_size)
+    try:
+        summary = encode_corpus(passages, url, session, options)
+    except StoreMismatchError as exc:  # made by other models/settings (e.g. an older CacheGraft): ours to rebuild
+        if not Path(url).resolve().is_relative_to(WORK_DIR.resolve()):
+            raise
+        log(f"store {url} no longer matches ({exc}); rebuilding it")
+        shutil.rmtree(url)
+        summary = encode_corpus(passages, url, session, options)
     build_store_index(url, "bm25")
     log(f"store {url}: added {summary.added}, skipped {summary.skipped_existing}, {time.perf_counter() - t0:.1f}s")
     return summary.as_dict()
