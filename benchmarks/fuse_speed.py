@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     passages = [template.passage_ids(t, c) for t, c in load_passages(args.data, args.n, args.seed)]
     passages = [p[: args.max_tokens or None] for p in passages]
     fusers = build_fusers(receiver, sharer, args.seed, not args.no_bf16_fuser)
-    if args.fuser:
-        fusers["trained"] = load_fuser(args.fuser).eval()
+    if args.fuser:  # cast as encode does (ModelSession.fuser): float32 where bf16 is slow
+        trained = load_fuser(args.fuser).eval()
+        fusers["trained"] = cast_fuser(trained, torch.float32 if not cpu_has_fast_bf16() else trained.dtype)
     conditions = build_conditions(receiver, sharer, fusers, template.prefix_ids())
     conditions = drop_failing(conditions, [passages[0][:4]])  # a short warm-up: one-time init only
     sizes = [int(s) for s in args.batch_sizes.split(",")]
