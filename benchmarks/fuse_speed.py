@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from cachegraft_cli import fusion  # noqa: E402
-from cachegraft_cli.fuser import load_fuser  # noqa: E402
+from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
 from cachegraft_cli.fusion import FusionEngine  # noqa: E402
 from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
@@ -248,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     passages = [template.passage_ids(t, c) for t, c in load_passages(args.data, args.n, args.seed)]
     passages = [p[: args.max_tokens or None] for p in passages]
     fusers = build_fusers(receiver, sharer, args.seed, not args.no_bf16_fuser)
-    if args.fuser:  # cast as encode does (ModelSession.fuser): float32 where bf16 is slow
-        trained = load_fuser(args.fuser).eval()
-        fusers["trained"] = cast_fuser(trained, torch.float32 if not cpu_has_fast_bf16() else trained.dtype)
+    if args.fuser:  # placed as encode places it (ModelSession.fuser)
+        fusers["trained"] = place_fuser(load_fuser(args.fuser), receiver.device).eval()
     conditions = build_conditions(receiver, sharer, fusers, template.prefix_ids())
     conditions = drop_failing(conditions, [passages[0][:4]])  # a short warm-up: one-time init only
     sizes = [int(s) for s in args.batch_sizes.split(",")]

@@ -39,28 +39,31 @@ def rotate(k: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, sign: int) -> n
     return k * cos + np.concatenate([-k[..., half:], k[..., :half]], -1) * sin
 
 
-def per_channel(k: np.ndarray, group: int, asymmetric: bool) -> np.ndarray:
-    """Quantise-dequantise keys with one scale (and zero point) per channel per `group` tokens."""
+def per_channel_asym(k: np.ndarray, group: int) -> np.ndarray:
+    """Keys with one scale and zero point per channel per `group` tokens (16 levels)."""
     out = np.empty_like(k)
     for s in range(0, len(k), group):
-        out[s:s + group] = _quantise(k[s:s + group], axis=0, asymmetric=asymmetric)
+        out[s:s + group] = _asym(k[s:s + group], axis=0)
     return out
 
 
-def per_token(v: np.ndarray, group: int, asymmetric: bool) -> np.ndarray:
-    """Quantise-dequantise values with one scale (and zero point) per token per `group` channels."""
-    blocks = v.reshape(v.shape[:-1] + (-1, group))
-    return _quantise(blocks, axis=-1, asymmetric=asymmetric).reshape(v.shape)
+def per_token_asym(v: np.ndarray, group: int) -> np.ndarray:
+    """Values with one scale and zero point per token per `group` channels (16 levels)."""
+    return _asym(v.reshape(v.shape[:-1] + (-1, group)), axis=-1).reshape(v.shape)
 
 
-def _quantise(x: np.ndarray, axis: int, asymmetric: bool) -> np.ndarray:
-    if asymmetric:  # 16 levels between min and max
-        lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
-        scale = np.where(hi > lo, (hi - lo) / 15, 1)
-        return np.clip(np.round((x - lo) / scale), 0, 15) * scale + lo
-    scale = np.abs(x).max(axis, keepdims=True) / 7  # symmetric, levels -7..7 (the shipped codec)
-    scale = np.where(scale > 0, scale, 1)
-    return np.clip(np.round(x / scale), -7, 7) * scale
+def _asym(x: np.ndarray, axis: int) -> np.ndarray:
+    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+    scale = np.where(hi > lo, (hi - lo) / 15, 1)
+    return np.clip(np.round((x - lo) / scale), 0, 15) * scale + lo
+
+
+def int4(x: np.ndarray, geometry: dict, **params) -> np.ndarray:
+    """The shipped symmetric int4 codec (with group parameters), encoded and decoded."""
+    from cachegraft_cli.store.codecs import get_codec
+
+    codec = get_codec("int4", geometry, params)
+    return codec.decode(codec.encode(x), 0, len(x))
 
 
 def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
@@ -70,7 +73,6 @@ def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
 def main(argv=None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
-    from cachegraft_cli.store.codecs import get_codec
     from cachegraft_cli.store.store import CacheStore
     from cachegraft_cli.template import PromptTemplate
 
@@ -80,26 +82,27 @@ def main(argv=None) -> int:
     config = AutoConfig.from_pretrained(args.receiver)
     prefix = len(PromptTemplate.for_tokenizer(AutoTokenizer.from_pretrained(args.receiver)).prefix_ids())
     layers, _, heads, dim = caches[0].shape[1:]
+    geometry = {"layers": layers, "kv_heads": heads, "head_dim": dim}
     theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {})["rope_theta"]
     inv_freq = float(theta) ** (-np.arange(0, dim, 2) / dim)
-    codec = get_codec("int4", {"layers": layers, "kv_heads": heads, "head_dim": dim})
     errors: dict[str, list[float]] = {}
     for x in caches:
         k, v, pos = x[:, :, 0], x[:, :, 1], prefix + np.arange(len(x))
-        shipped = codec.decode(codec.encode(x), 0, len(x))
         raw = rotate(k, pos, inv_freq, -1)
+        unrotated = np.stack([raw, v], axis=2)
         variants = {
-            "keys: shipped int4 (symmetric, per channel, 32-token groups)": (k, shipped[:, :, 0]),
-            "keys: symmetric, 16-token groups": (k, per_channel(k, 16, False)),
-            "keys: asymmetric, 32-token groups": (k, per_channel(k, 32, True)),
-            "keys: asymmetric, 64-token groups": (k, per_channel(k, 64, True)),
-            "keys: before RoPE, symmetric, 32-token groups": (k, rotate(per_channel(raw, 32, False), pos, inv_freq, 1)),
-            "keys: before RoPE, asymmetric, 32-token groups": (k, rotate(per_channel(raw, 32, True), pos, inv_freq, 1)),
-            "values: shipped int4 (symmetric, per token, 64-channel groups)": (v, shipped[:, :, 1]),
-            "values: symmetric, 32-channel groups": (v, per_token(v, 32, False)),
-            "values: symmetric, 16-channel groups": (v, per_token(v, 16, False)),
-            "values: asymmetric, 64-channel groups": (v, per_token(v, 64, True)),
-            "values: asymmetric, 32-channel groups": (v, per_token(v, 32, True)),
+            "keys: shipped int4 (symmetric, per channel, 32-token groups)": (k, int4(x, geometry)[:, :, 0]),
+            "keys: symmetric, 16-token groups": (k, int4(x, geometry, key_group=16)[:, :, 0]),
+            "keys: asymmetric, 32-token groups": (k, per_channel_asym(k, 32)),
+            "keys: asymmetric, 64-token groups": (k, per_channel_asym(k, 64)),
+            "keys: before RoPE, symmetric, 32-token groups":
+                (k, rotate(int4(unrotated, geometry)[:, :, 0], pos, inv_freq, 1)),
+            "keys: before RoPE, asymmetric, 32-token groups": (k, rotate(per_channel_asym(raw, 32), pos, inv_freq, 1)),
+            "values: shipped int4 (symmetric, per token, 64-channel groups)": (v, int4(x, geometry)[:, :, 1]),
+            "values: symmetric, 32-channel groups": (v, int4(x, geometry, value_group=32)[:, :, 1]),
+            "values: symmetric, 16-channel groups": (v, int4(x, geometry, value_group=16)[:, :, 1]),
+            "values: asymmetric, 64-channel groups": (v, per_token_asym(v, 64)),
+            "values: asymmetric, 32-channel groups": (v, per_token_asym(v, 32)),
         }
         for name, (exact, approx) in variants.items():
             errors.setdefault(name, []).append(rel_rms(exact, approx))

@@ -49,17 +49,12 @@ class ModelSession:
 
     @cached_property
     def fuser(self):
-        """The fuser on the receiver's device; float32 on CPUs without fast bf16 (3x faster there)."""
-        import torch
-
-        from cachegraft_cli.fuser import load_fuser
-        from cachegraft_cli.models import cpu_has_fast_bf16
+        """The fuser on the receiver's device (`place_fuser`: float32 on CPUs without fast bf16)."""
+        from cachegraft_cli.fuser import load_fuser, place_fuser
 
         fuser = load_fuser(self.choice.fuser)
         if fuser is not None:
-            device = self.receiver.device
-            slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
-            fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)
+            place_fuser(fuser, self.receiver.device)
         return fuser
 
     @cached_property

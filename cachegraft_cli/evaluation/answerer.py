@@ -67,9 +67,9 @@ class StoreAnswerer:
         if key not in self._sessions:
             c = self.config
             session = ModelSession(ModelChoice(c.receiver, c.sharer, fuser or "closed", c.device, c.dtype))
-            loaded = [s.__dict__["receiver"] for s in self._sessions.values() if "receiver" in s.__dict__]
-            if loaded:  # one receiver in memory however many fusers (it is only read)
-                session.__dict__["receiver"] = loaded[0]
+            loaded = next((s.__dict__["receiver"] for s in self._sessions.values() if "receiver" in s.__dict__), None)
+            if loaded is not None:  # one receiver in memory however many fusers (it is only read)
+                session.__dict__["receiver"] = loaded
             self._sessions[key] = session
         return self._sessions[key]
 

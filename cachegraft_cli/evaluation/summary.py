@@ -77,13 +77,12 @@ def judge_agreement(answers: list[dict], verdicts: list[dict]) -> list[dict]:
     by_key = {(a["benchmark"], a["id"], a["system"], a["k"]): a for a in answers}
     out = []
     for (judge,), rows in _group(verdicts, ("judge",)).items():
-        pairs = [(r["verdict"], by_key[_answer_key(r)]) for r in rows if _answer_key(r) in by_key]
-        labels = [v for v, _ in pairs]
-        out.append({"judge": judge, "n": len(pairs),
-                    "kappa_em": cohen_kappa(labels, [int(a["em"] >= 1.0) for _, a in pairs]),
+        pairs = [(r, by_key[_answer_key(r)]) for r in rows if _answer_key(r) in by_key]
+        labels = [r["verdict"] for r, _ in pairs]
+        em = [int(a["em"] >= 1.0) for _, a in pairs]
+        out.append({"judge": judge, "n": len(pairs), "kappa_em": cohen_kappa(labels, em),
                     "kappa_f1": cohen_kappa(labels, [int(a["f1"] >= 0.5) for _, a in pairs]),
-                    "auc_em": rank_auc([r["probability"] for r in rows if _answer_key(r) in by_key],
-                                       [int(a["em"] >= 1.0) for _, a in pairs])})
+                    "auc_em": rank_auc([r["probability"] for r, _ in pairs], em)})
     return out
 
 

@@ -22,6 +22,17 @@ def load_fuser(spec: str | None):
     return load_checkpoint(resolve_fuser_dir(spec))
 
 
+def place_fuser(fuser, device):
+    """Move a fuser to the receiver's device, in float32 on CPUs without fast bf16
+    (about 3x faster there than emulated bf16); elsewhere it keeps its own dtype."""
+    import torch
+
+    from cachegraft_cli.models import cpu_has_fast_bf16
+
+    slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
+    return fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)
+
+
 def resolve_fuser_dir(spec: str) -> Path:
     if spec.startswith("builtin:"):
         path = BUILTIN_DIR / spec.removeprefix("builtin:")
