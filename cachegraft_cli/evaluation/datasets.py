@@ -20,6 +20,7 @@ from pathlib import Path
 from cachegraft_cli.errors import DatasetError, HubUnreachableError, UsageError
 
 CORPUS_MODES = ("articles", "full")
+_MISSING_HINT = "Check the path after -B name=; for a Hugging Face dataset write -B name=hf:DATASET[:SPLIT]."
 HF_COLUMNS = ("id", "question", "answers", "context", "title", "gold_ids")
 
 
@@ -167,7 +168,7 @@ def _read_json(path: str):
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
-        raise DatasetError(f"Dataset file not found: {path}.") from None
+        raise DatasetError(f"Dataset file not found: {path}.", _MISSING_HINT) from None
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path} is not valid JSON: {exc}.") from None
 
@@ -201,7 +202,7 @@ def _read_jsonl(path: str) -> list[dict]:
                 if line.strip():
                     rows.append(_json_line(line, path, line_no))
     except FileNotFoundError:
-        raise DatasetError(f"Dataset file not found: {path}.") from None
+        raise DatasetError(f"Dataset file not found: {path}.", _MISSING_HINT) from None
     return rows
 
 
