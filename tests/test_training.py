@@ -186,6 +186,16 @@ def test_run_saves_a_loadable_fuser_that_reproduces_training(tiny_dirs, tiny_mod
         assert abs(nll - summary["best_val_nll"]) < 1e-4
 
 
+def test_weak_gates_are_flipped_and_measured(tiny_dirs, squad_file, tmp_path):
+    # a huge threshold makes every gate "weak": the report measures what flipping them all does
+    summary = run(_config(tiny_dirs, squad_file, tmp_path / "run", gate_warn_threshold=1e9), progress=False)
+    flip = summary["gates"]["weak_flip"]
+    assert flip["weak_gates"] == summary["gates"]["total"] == 8
+    assert abs(flip["val_nll"] - summary["best_val_nll"]) < 1e-4  # the shipped fuser, as saved
+    assert abs(flip["flipped_val_nll"] - flip["val_nll"]) > 1e-6
+    assert "Flipping all of them" in summary["gates"]["warnings"][0]
+
+
 def test_resume_matches_uninterrupted(tiny_dirs, squad_file, tmp_path):
     full = run(_config(tiny_dirs, squad_file, tmp_path / "a"), progress=False)
 

@@ -3,10 +3,12 @@ layout), `summary.json`, the gate report and its warnings."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
+import torch
 
 from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.projector import ProjectorArgs
@@ -22,21 +24,47 @@ def cast_fuser(fuser: Fuser, dtype: str) -> Fuser:
     return out.eval()
 
 
-def gate_report(fuser: Fuser, threshold: float) -> dict:
+def gate_report(fuser: Fuser, threshold: float, flip: dict | None = None) -> dict:
+    """Gate states, counts and warnings; `flip` is `weak_gate_effect`'s measurement, if any."""
     states = fuser.gate_states()
     logits = [g[f"{b}_logit"] for g in states for b in ("key", "value")]
     weak = sum(abs(x) < threshold for x in logits)
     opened = sum(x > 0 for x in logits)
     warnings = []
     if weak:
+        effect = ""
+        if flip is not None:
+            effect = (f" Flipping all of them moves the validation NLL from {flip['val_nll']:.4f} to "
+                      f"{flip['flipped_val_nll']:.4f} ({100 * flip['relative_change']:+.2f}%), so judge by that how much it matters.")
         warnings.append(
             f"{weak} of {len(logits)} gate logits are within +-{threshold} of 0: their inference state (open if > 0) "
-            "is effectively random. Train longer or raise --gate-lr before shipping this fuser."
+            f"is effectively random.{effect} Train longer or raise --gate-lr before shipping this fuser."
         )
     if opened == 0:
         warnings.append("Every gate is closed: this fuser returns the receiver's own cache unchanged (a no-op).")
     return {"gate_states": states, "open": opened, "total": len(logits), "weak": weak,
-            "min_abs_logit": min(abs(x) for x in logits), "warnings": warnings}
+            "min_abs_logit": min(abs(x) for x in logits), "weak_flip": flip, "warnings": warnings}
+
+
+def weak_gate_effect(trainer, fuser: Fuser, threshold: float) -> dict | None:
+    """Validation NLL of the shipped fuser as saved, and with every weak gate flipped: a
+    coin-flip gate is harmless when its state does not change what the receiver predicts."""
+    from cachegraft_cli.training.loop import evaluate
+
+    p = trainer.p
+    flipped = copy.deepcopy(fuser).float().requires_grad_(False)
+    names = [(proj, f"{b}_gate_logit") for proj in flipped.projectors for b in ("key", "value")]
+    weak = [(proj, name) for proj, name in names if abs(float(getattr(proj, name))) < threshold]
+    if not weak or not p.val_items:
+        return None
+    zero = trainer.c.sharer_input == "zero"
+    base = evaluate(p.receiver, copy.deepcopy(fuser).float(), p.bank, p.prefix, p.val_items, trainer.c.batch_size, zero)
+    with torch.no_grad():
+        for proj, name in weak:
+            logit = getattr(proj, name)
+            logit.copy_(-logit if float(logit) != 0 else torch.ones_like(logit))  # 0 is closed: flipped is open
+    alt = evaluate(p.receiver, flipped, p.bank, p.prefix, p.val_items, trainer.c.batch_size, zero)
+    return {"weak_gates": len(weak), "val_nll": base, "flipped_val_nll": alt, "relative_change": (alt - base) / base}
 
 
 def shipped_fuser(trainer) -> Fuser:
@@ -54,7 +82,7 @@ def finish(trainer) -> dict:
         trainer.validate()
     final_val = _last_val(trainer)
     fuser = cast_fuser(shipped_fuser(trainer), c.save_dtype)
-    gates = gate_report(fuser, c.gate_warn_threshold)
+    gates = gate_report(fuser, c.gate_warn_threshold, weak_gate_effect(trainer, fuser, c.gate_warn_threshold))
     training = {"objective": c.objective, "sharer_input": c.sharer_input, "seed": c.seed, "steps": s["step"],
                 "best_step": s["best_step"], "data": c.data}
     save_own(fuser, out, extra={"training": training})
