@@ -57,7 +57,7 @@ def ask(
 
 def _note_closed_fuser(asker, system: str) -> None:
     if system == "graft" and asker.store.identity.get("fuser") is None:
-        log("note: this store was encoded with the fuser closed (no trained fuser for this pair), "
+        log("note: this store was encoded with the fuser closed, "
             "so `graft` answers from the receiver's own caches (the `cache` system).")
 
 
