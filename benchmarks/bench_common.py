@@ -14,8 +14,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -122,9 +122,8 @@ def session_for(fuser: str = "random", seed: int = 0):
 def ensure_store(url: str, passages, session, codec: str = "bf16", batch_size: int = 4) -> dict:
     """Encode (idempotent: reuses what is stored) and index (BM25) the passages."""
     from cachegraft_cli.encode import EncodeOptions, encode_corpus
-    from cachegraft_cli.indexing import build_store_index
-
     from cachegraft_cli.errors import StoreMismatchError
+    from cachegraft_cli.indexing import build_store_index
 
     t0 = time.perf_counter()
     options = EncodeOptions(codec=codec, batch_size=batch_size)

@@ -51,19 +51,18 @@ def weak_gate_effect(trainer, fuser: Fuser, threshold: float) -> dict | None:
     coin-flip gate is harmless when its state does not change what the receiver predicts."""
     from cachegraft_cli.training.loop import evaluate
 
-    p = trainer.p
-    flipped = copy.deepcopy(fuser).float().requires_grad_(False)
-    names = [(proj, f"{b}_gate_logit") for proj in flipped.projectors for b in ("key", "value")]
-    weak = [(proj, name) for proj, name in names if abs(float(getattr(proj, name))) < threshold]
+    p, c = trainer.p, trainer.c
+    probe = copy.deepcopy(fuser).float().requires_grad_(False)  # one float32 copy, measured then flipped
+    gates = [getattr(proj, f"{b}_gate_logit") for proj in probe.projectors for b in ("key", "value")]
+    weak = [g for g in gates if abs(float(g)) < threshold]
     if not weak or not p.val_items:
         return None
-    zero = trainer.c.sharer_input == "zero"
-    base = evaluate(p.receiver, copy.deepcopy(fuser).float(), p.bank, p.prefix, p.val_items, trainer.c.batch_size, zero)
+    zero = c.sharer_input == "zero"
+    base = evaluate(p.receiver, probe, p.bank, p.prefix, p.val_items, c.batch_size, zero)
     with torch.no_grad():
-        for proj, name in weak:
-            logit = getattr(proj, name)
-            logit.copy_(-logit if float(logit) != 0 else torch.ones_like(logit))  # 0 is closed: flipped is open
-    alt = evaluate(p.receiver, flipped, p.bank, p.prefix, p.val_items, trainer.c.batch_size, zero)
+        for g in weak:
+            g.copy_(-g if float(g) != 0 else torch.ones_like(g))  # 0 is closed: flipped is open
+    alt = evaluate(p.receiver, probe, p.bank, p.prefix, p.val_items, c.batch_size, zero)
     return {"weak_gates": len(weak), "val_nll": base, "flipped_val_nll": alt, "relative_change": (alt - base) / base}
 
 
