@@ -28,7 +28,7 @@ def parse_args(argv):
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--system", default="graft")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--passages", type=int, default=20)
+    ap.add_argument("--passages", type=int, default=bc.REAL_PASSAGES)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--use-store", default=None, help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")

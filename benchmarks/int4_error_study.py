@@ -1,7 +1,9 @@
 """Where int4's error is: relative RMS error of keys and values under the shipped int4
 codec and under alternative quantisers, on the real caches of a float32 store.
 
-Numpy only (no model runs). The default store is the float32 one `p3_codecs.py`
+Each passage is quantised on its own (groups start at its first token; in a store,
+key groups run along the segment and may span passages). Numpy only (no model runs).
+The default store is the float32 one `p3_codecs.py`
 builds (`--questions 200`); keys are stored post-RoPE, so the "before RoPE"
 variants un-rotate them with the receiver's RoPE (Qwen2: rotate-half, theta
 from its config) at their canonical positions (template prefix + offset),
@@ -39,27 +41,8 @@ def rotate(k: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, sign: int) -> n
     return k * cos + np.concatenate([-k[..., half:], k[..., :half]], -1) * sin
 
 
-def per_channel_asym(k: np.ndarray, group: int) -> np.ndarray:
-    """Keys with one scale and zero point per channel per `group` tokens (16 levels)."""
-    out = np.empty_like(k)
-    for s in range(0, len(k), group):
-        out[s:s + group] = _asym(k[s:s + group], axis=0)
-    return out
-
-
-def per_token_asym(v: np.ndarray, group: int) -> np.ndarray:
-    """Values with one scale and zero point per token per `group` channels (16 levels)."""
-    return _asym(v.reshape(v.shape[:-1] + (-1, group)), axis=-1).reshape(v.shape)
-
-
-def _asym(x: np.ndarray, axis: int) -> np.ndarray:
-    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
-    scale = np.where(hi > lo, (hi - lo) / 15, 1)
-    return np.clip(np.round((x - lo) / scale), 0, 15) * scale + lo
-
-
 def int4(x: np.ndarray, geometry: dict, **params) -> np.ndarray:
-    """The shipped symmetric int4 codec (with group parameters), encoded and decoded."""
+    """The int4 codec with these parameters (the rest: today's defaults), encoded and decoded."""
     from cachegraft_cli.store.codecs import get_codec
 
     codec = get_codec("int4", geometry, params)
@@ -90,19 +73,15 @@ def main(argv=None) -> int:
         k, v, pos = x[:, :, 0], x[:, :, 1], prefix + np.arange(len(x))
         raw = rotate(k, pos, inv_freq, -1)
         unrotated = np.stack([raw, v], axis=2)
+        sym = {"zero_point": False}
         variants = {
-            "keys: shipped int4 (symmetric, per channel, 32-token groups)": (k, int4(x, geometry)[:, :, 0]),
-            "keys: symmetric, 16-token groups": (k, int4(x, geometry, key_group=16)[:, :, 0]),
-            "keys: asymmetric, 32-token groups": (k, per_channel_asym(k, 32)),
-            "keys: asymmetric, 64-token groups": (k, per_channel_asym(k, 64)),
-            "keys: before RoPE, symmetric, 32-token groups":
-                (k, rotate(int4(unrotated, geometry)[:, :, 0], pos, inv_freq, 1)),
-            "keys: before RoPE, asymmetric, 32-token groups": (k, rotate(per_channel_asym(raw, 32), pos, inv_freq, 1)),
-            "values: shipped int4 (symmetric, per token, 64-channel groups)": (v, int4(x, geometry)[:, :, 1]),
-            "values: symmetric, 32-channel groups": (v, int4(x, geometry, value_group=32)[:, :, 1]),
-            "values: symmetric, 16-channel groups": (v, int4(x, geometry, value_group=16)[:, :, 1]),
-            "values: asymmetric, 64-channel groups": (v, per_token_asym(v, 64)),
-            "values: asymmetric, 32-channel groups": (v, per_token_asym(v, 32)),
+            "keys: symmetric, 32-token groups (int4 before zero points)": (k, int4(x, geometry, key_group=32, **sym)[:, :, 0]),
+            **{f"keys: zero point, {g}-token groups": (k, int4(x, geometry, key_group=g)[:, :, 0]) for g in (32, 64, 128, 256)},
+            "keys: before RoPE, zero point, 128-token groups":
+                (k, rotate(int4(unrotated, geometry, key_group=128)[:, :, 0], pos, inv_freq, 1)),
+            "values: symmetric, 64-channel groups (int4 before zero points)": (v, int4(x, geometry, value_group=64, **sym)[:, :, 1]),
+            "values: symmetric, 32-channel groups": (v, int4(x, geometry, value_group=32, **sym)[:, :, 1]),
+            **{f"values: zero point, {g}-channel groups": (v, int4(x, geometry, value_group=g)[:, :, 1]) for g in (64, 32, 16)},
         }
         for name, (exact, approx) in variants.items():
             errors.setdefault(name, []).append(rel_rms(exact, approx))

@@ -1,9 +1,11 @@
 """P1: time to first token at k passages, graft vs text vs sharer-text (real offline pair).
 
-Builds (once, reused later) a store of N SQuAD paragraphs encoded with the
-real receiver/sharer and a random-initialised fuser with open gates (ask
-timing does not depend on fuser weights), then asks questions about those
-paragraphs with each system. Conditions are interleaved: every (repeat,
+Builds (once, reused later) a store of N SQuAD paragraphs encoded by the real
+receiver with the closed fuser (`--fuser random`: the real pair and a
+random-initialised fuser with open gates; `graft`'s ask path and timing are
+the same either way, since it reads caches of the same geometry and codec and
+never runs the sharer), then asks questions about those paragraphs with each
+system. Conditions are interleaved: every (repeat,
 question) runs all systems back to back, the order rotating each time.
 `first_token` (Asker timings) runs from the start of the request - retrieval
 and cache loading included - to the first generated token.
@@ -11,7 +13,7 @@ and cache loading included - to the first generated token.
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
 
-    python benchmarks/p1_ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5]
+    python benchmarks/p1_ttft.py [--passages 10] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ TARGETS = {"text/graft": 12.0, "sharer-text/graft": 40.0}
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passages", type=int, default=20)
+    ap.add_argument("--passages", type=int, default=bc.REAL_PASSAGES)
     ap.add_argument("--questions", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fuser", default="random", help="random (open gates) | closed: encodes without the sharer "
-                    "and the random fuser, for machines short of memory; graft's ask path is the same")
+    ap.add_argument("--fuser", default=bc.REAL_FUSER, help="closed: the receiver's own caches | random: the pair "
+                    "with a random open fuser (slower to encode); graft's ask path is the same")
     ap.add_argument("--store", default=None, help="use this existing store (e.g. one p3_codecs.py made)")
     return ap.parse_args(argv)
 

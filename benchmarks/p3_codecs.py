@@ -18,7 +18,7 @@ depending on any fuser (and without the sharer's cost). A trained fuser dir
 (e.g. the shipped one's) measures it on fused caches; --fuser random is only
 meaningful for the bytes figures (a random open fuser answers nonsense).
 
-    python benchmarks/p3_codecs.py [--questions 200] [--k 3] [--fuser closed|random|DIR]
+    python benchmarks/p3_codecs.py [--questions 200] [--k 3] [--fuser closed|random|DIR] [--codecs bf16,int8,int4]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--codecs", default=",".join(CODECS[1:]), help="lossy codecs to compare with float32")
     return ap.parse_args(argv)
 
 
@@ -50,6 +51,7 @@ def transcode(src_url: str, dst_url: str, codec: str) -> None:
     from cachegraft_cli.store import CacheStore
 
     src = CacheStore.open(src_url)
+    stale(dst_url, codec, src.geometry)
     dst = CacheStore.create(dst_url, {**src.identity, "codec": codec}, src.prefix(), src.kinds)
     todo = [r for r in src.rows() if r.id not in dst]
     if todo:
@@ -59,15 +61,34 @@ def transcode(src_url: str, dst_url: str, codec: str) -> None:
     build_store_index(dst_url, "bm25")
 
 
+def stale(url: str, codec: str, geometry: dict) -> None:
+    """Remove a store made with other codec parameters (e.g. symmetric int4, before zero
+    points): the codec parameters are not part of a store's identity, so create() would
+    reuse it."""
+    import shutil
+
+    from cachegraft_cli.errors import StoreNotFoundError
+    from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store.codecs import get_codec
+
+    try:
+        old = CacheStore.open(url)
+    except StoreNotFoundError:
+        return
+    if old.codec.params != get_codec(codec, geometry).params:
+        bc.log(f"{url}: codec parameters {old.codec.params} are not today's; rebuilding it")
+        shutil.rmtree(url)
+
+
 def bytes_per_token(url: str) -> dict:
-    from cachegraft_cli.store import CacheStore, codec_bytes_per_token, raw_bf16_bytes_per_token
+    from cachegraft_cli.store import CacheStore, raw_bf16_bytes_per_token
 
     store = CacheStore.open(url)
     tokens = sum(s["tokens"] for s in store.segments)
     stored = sum(s["bytes"]["fused"] for s in store.segments)
     raw = raw_bf16_bytes_per_token(store.geometry)
-    nominal = codec_bytes_per_token(store.identity["codec"], store.geometry, store.meta.get("codec_params"))
-    return {"tokens": tokens, "bytes_per_token": stored / tokens, "raw_bf16": raw,
+    nominal = store.codec.nominal_bytes_per_token()
+    return {"tokens": tokens, "bytes_per_token": stored / tokens, "raw_bf16": raw, "codec_params": store.codec.params,
             "ratio": stored / tokens / raw, "nominal_ratio": nominal / raw}
 
 
@@ -105,9 +126,10 @@ def main(argv=None) -> int:
     passages, questions = bc.squad_sample(args.questions, args.seed, min_passages=args.k)
     session = bc.session_for(args.fuser, args.seed)
     tag = "closed" if args.fuser == "closed" else "random" if args.fuser == "random" else "dir"
-    urls = {c: str(bc.WORK_DIR / f"p3-{tag}-{bc.DTYPE or 'auto'}-s{args.seed}-n{len(passages)}-{c}") for c in CODECS}
+    codecs = ["float32"] + [c for c in args.codecs.split(",") if c and c != "float32"]
+    urls = {c: str(bc.WORK_DIR / f"p3-{tag}-{bc.DTYPE or 'auto'}-s{args.seed}-n{len(passages)}-{c}") for c in codecs}
     bc.ensure_store(urls["float32"], passages, session, codec="float32")
-    for codec in CODECS[1:]:
+    for codec in codecs[1:]:
         transcode(urls["float32"], urls[codec], codec)
     sizes = {c: bytes_per_token(u) for c, u in urls.items()}
     askers = {c: Asker(u, session=session) for c, u in urls.items()}
@@ -116,22 +138,25 @@ def main(argv=None) -> int:
     start_machine = bc.machine()
     f1 = answer_all(askers, questions, args.k, args.max_new_tokens)
     mean_f1 = {c: 100 * sum(v) / len(v) for c, v in f1.items()}
-    deltas = {c: paired_delta(f1["float32"], f1[c]) for c in CODECS[1:]}
+    deltas = {c: paired_delta(f1["float32"], f1[c]) for c in codecs[1:]}
     rows = [[c, sizes[c]["bytes_per_token"], sizes[c]["ratio"], sizes[c]["nominal_ratio"], mean_f1[c],
              deltas[c]["delta_pts"] if c in deltas else 0.0,
              "%.2f..%.2f" % tuple(deltas[c]["ci95"]) if c in deltas else "-",
-             deltas[c]["changed"] if c in deltas else "-"] for c in CODECS]
+             deltas[c]["changed"] if c in deltas else "-"] for c in codecs]
     bc.print_table(f"P3 codecs: {len(passages)} passages ({sizes['float32']['tokens']} tokens), {len(questions)} questions, "
                    f"graft k={args.k}, fuser {args.fuser}",
                    ["codec", "B/token", "ratio", "nominal", "F1", "dF1_pts", "95%CI", "q_changed"], rows)
     verdicts = {}
     for c, t in TARGETS.items():
+        if c not in deltas:
+            continue
         drop = -deltas[c]["delta_pts"]
         verdicts[c] = {"bytes": bc.verdict(sizes[c]["ratio"], t["bytes_ratio"]), "f1": bc.verdict(drop, t["f1_drop_pts"])}
         print(f"{c}: bytes {verdicts[c]['bytes']}; F1 drop {verdicts[c]['f1']}")
     print(f"machine at start: {start_machine}; at end: loadavg {bc.machine()['loadavg']}")
     bc.emit({"bench": "p3_codecs", "fuser": args.fuser, "k": args.k, "questions": len(questions),
-             "passages": len(passages), "sizes": sizes, "mean_f1": mean_f1, "deltas": deltas, "targets": TARGETS,
+             "passages": len(passages), "sizes": sizes, "mean_f1": mean_f1, "deltas": deltas,
+             "targets": {c: t for c, t in TARGETS.items() if c in deltas},
              "machine_start": start_machine, "machine_end": bc.machine()})
     return 0
 

@@ -52,33 +52,80 @@ def test_rows_keep_every_field_and_prefix(url, rng):
     assert again.has_hash("hash5") and not again.has_hash("hash6")
 
 
-def _int4_key_bound(data: dict, rows: list) -> dict:
-    """Keys share one scale per channel per 32-token group of the segment: bound = group maxabs / 7 / 2."""
-    keys = np.concatenate([data[r.id]["fused"][:, :, 0] for r in sorted(rows, key=lambda r: r.offset)])
-    groups = -(-len(keys) // 32)
-    padded = np.zeros((groups * 32,) + keys.shape[1:], np.float32)
-    padded[: len(keys)] = np.abs(keys)
-    gmax = np.repeat(padded.reshape((groups, 32) + keys.shape[1:]).max(axis=1), 32, axis=0)
-    return {r.id: gmax[r.offset: r.offset + r.tokens] / 7 / 2 for r in rows}
+def _int4_bounds(data: dict, rows: list, kind: str, key_group: int, zero_point: bool) -> dict:
+    """Per passage, the largest |error| the int4 codec allows for keys and values: half a step.
+    Keys share a step per channel per `key_group` tokens of the segment (a group may span
+    passages); values per token per head (head_dim 8 < value_group). Symmetric: step = max|x| / 7;
+    zero point: (max - min) / 15, plus the float16 zero's rounding down (<= 2^-10 |min|)."""
+    slack = 1 + 2**-9  # float16 scales are rounded up by at most one ulp
+    keys = np.concatenate([data[r.id][kind][:, :, 0] for r in sorted(rows, key=lambda r: r.offset)])
+    groups = -(-len(keys) // key_group)
+    padded = np.concatenate([keys, np.repeat(keys[-1:], groups * key_group - len(keys), axis=0)])
+    g = padded.reshape((groups, key_group) + keys.shape[1:])
+
+    def half_step(lo, hi):
+        if not zero_point:
+            return np.maximum(-lo, hi) / 7 / 2 * slack + 1e-7
+        return (hi - lo + np.abs(lo) * 2**-10) / 15 / 2 * slack + 1e-7
+
+    kb = np.repeat(half_step(g.min(axis=1), g.max(axis=1)), key_group, axis=0)
+    out = {}
+    for r in rows:
+        v = data[r.id][kind][:, :, 1]
+        out[r.id] = (kb[r.offset: r.offset + r.tokens], half_step(v.min(-1, keepdims=True), v.max(-1, keepdims=True)))
+    return out
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_quantised_codecs_stay_within_their_error_bound(url, rng, codec):
-    store = make(url, rng, codec=codec)
+@pytest.mark.parametrize("codec,params", [("int8", None), ("int4", None),
+                                          ("int4", {"key_group": 32, "value_group": 64, "zero_point": False})])
+def test_quantised_codecs_stay_within_their_error_bound(url, rng, codec, params):
+    store = make(url, rng, codec=codec, codec_params=params)
     data = fill(store, rng, range(12), lengths=(30, 90))
     again = CacheStore.open(url)
-    slack = 1 + 2**-9  # float16 scales are rounded up by at most one ulp
-    key_bound = _int4_key_bound(data, again.rows()) if codec == "int4" else None
+    if codec == "int4":
+        p = again.codec.params
+        bounds = _int4_bounds(data, again.rows(), "fused", p["key_group"], p["zero_point"])
     for pid, got in zip(data, again.read(list(data))):
         x = data[pid]["fused"]
         err = np.abs(got - x)
         if codec == "int8":  # one scale per (token, layer, K/V, head): |error| <= (maxabs / 127) / 2
-            assert (err <= np.abs(x).max(axis=-1, keepdims=True) / 127 / 2 * slack + 1e-7).all()
-        else:  # values: one scale per token and head (head_dim 8 < group 64): |error| <= (maxabs / 7) / 2
-            assert (err[:, :, 0] <= key_bound[pid] * slack + 1e-7).all()
-            assert (err[:, :, 1] <= np.abs(x[:, :, 1]).max(axis=-1, keepdims=True) / 7 / 2 * slack + 1e-7).all()
+            assert (err <= np.abs(x).max(axis=-1, keepdims=True) / 127 / 2 * (1 + 2**-9) + 1e-7).all()
+        else:
+            assert (err[:, :, 0] <= bounds[pid][0]).all() and (err[:, :, 1] <= bounds[pid][1]).all()
         rel = np.linalg.norm(got - x) / np.linalg.norm(x)
         assert rel < (0.01 if codec == "int8" else 0.15)
+
+
+def test_int4_zero_point_is_the_default_and_halves_the_error_of_offset_data(url, rng):
+    """Keys with a per-channel offset (as real keys have) are where the zero point pays."""
+    errors = {}
+    for zero_point in (True, False):
+        u = f"{url}-{zero_point}"
+        params = None if zero_point else {"key_group": 128, "value_group": 64, "zero_point": False}
+        store = make(u, rng, codec="int4", codec_params=params)
+        x = bf16_cache(rng, 200) + np.float32(3.0)
+        with store.writer() as w:
+            w.add(row(0), {"fused": x})
+        again = CacheStore.open(u)
+        assert again.codec.params["zero_point"] is zero_point
+        errors[zero_point] = np.linalg.norm(again.read(["p0"])[0] - x) / np.linalg.norm(x)
+    assert errors[True] < errors[False] / 2
+
+
+def test_int4_store_from_before_zero_points_still_decodes_symmetric(url, rng):
+    """Stores written before the `zero_point` parameter existed have codec_params without it;
+    they must keep decoding as the symmetric codec that wrote them."""
+    old = {"key_group": 32, "value_group": 64, "zero_point": False}
+    store = make(url, rng, codec="int4", codec_params=old)
+    data = fill(store, rng, range(4), lengths=(30, 90))
+    root = store.loc.read_json("zarr.json")
+    del root["attributes"]["cachegraft"]["codec_params"]["zero_point"]
+    store.loc.write_json_atomic("zarr.json", root)
+    again = CacheStore.open(url)
+    assert again.codec.params == {**old, "value_group": 8} and [c.name for c in again.codec.components()] == ["data", "kscale", "vscale"]
+    fill(again, rng, range(4, 6), lengths=(30, 90))  # appends keep the store's codec
+    for pid, got in zip(["p1", "p3"], CacheStore.open(url).read(["p1", "p3"])):
+        assert np.linalg.norm(got - data[pid]["fused"]) / np.linalg.norm(data[pid]["fused"]) < 0.15
 
 
 def test_create_existing_same_identity_opens_it(url, rng):

@@ -48,3 +48,12 @@ def test_int4_needs_even_head_dim():
 
     with pytest.raises(UsageError, match="even head_dim"):
         get_codec("int4", {"layers": 1, "kv_heads": 1, "head_dim": 7})
+
+
+def test_default_shard_holds_whole_int4_key_groups(tmp_path):
+    """A geometry so large that the byte target alone would give 64-token shards: the
+    default shard grows to the int4 key group (a shard must hold whole groups)."""
+    big = {"layers": 64, "kv_heads": 32, "head_dim": 256}
+    store = CacheStore.create(str(tmp_path / "s"), identity("int4", big, prefix_token_ids=[]),
+                              np.zeros((0, 64, 2, 32, 256), np.float32))
+    assert store.meta["shard_tokens"] == get_codec("int4", big).kg == 128

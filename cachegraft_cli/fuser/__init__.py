@@ -29,8 +29,12 @@ def place_fuser(fuser, device):
 
     from cachegraft_cli.models import cpu_has_fast_bf16
 
+    from cachegraft_cli.onednn import route_linears
+
     slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
-    return fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)
+    fuser = fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)
+    route_linears(fuser)
+    return fuser
 
 
 def resolve_fuser_dir(spec: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import os
 
 import numpy as np
@@ -28,7 +29,7 @@ class CacheStore:
         self.identity: dict = meta["identity"]
         self.kinds: tuple[str, ...] = tuple(meta["kinds"])
         self.geometry: dict = self.identity["geometry"]
-        self.codec = get_codec(self.identity["codec"], self.geometry, meta.get("codec_params"))
+        self.codec = get_codec(self.identity["codec"], self.geometry, meta.get("codec_params"), stored=True)
         self.chunk_tokens: int = meta["chunk_tokens"]
         self.shard_tokens: int = meta["shard_tokens"]
         self.compressor: dict = meta["compressor"]
@@ -274,9 +275,10 @@ def _check_prefix(prefix, ident: dict) -> np.ndarray:
 
 def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params) -> dict:
     chunk = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
-    shard = int(shard_tokens or default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk))
     codec = get_codec(ident["codec"], ident["geometry"], codec_params)
     strides = [c.stride for c in codec.components()] + [chunk]
+    step = math.lcm(*strides)  # a default shard must hold whole token groups too (int4 key groups)
+    shard = int(shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step)
     if chunk < 1 or any(shard % s for s in strides):
         raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group {strides}.")
     return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
