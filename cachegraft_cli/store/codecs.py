@@ -215,19 +215,22 @@ class Int4Codec(Codec):
     def encode(self, x):
         k, v = x[:, :, 0], x[:, :, 1]
         groups = self._key_groups(k)  # (groups, key_group, L, H, D)
-        vs = v.reshape(v.shape[:-1] + (-1, self.vg))
-        if not self.asym:
-            kscale = _scales(np.abs(groups).max(axis=1), 7)
-            vscale = _scales(np.abs(vs).max(axis=-1), 7)
-            kq = _quantise(k, self._per_token(kscale, len(k)), 7) + 8
-            vq = _quantise(vs, vscale[..., None], 7).reshape(v.shape) + 8
-            return {"data": _pack_nibbles(np.stack([kq, vq], axis=2)), "kscale": kscale, "vscale": vscale}
+        vs = v.reshape(v.shape[:-1] + (-1, self.vg))  # (T, L, H, D / value_group, value_group)
+        parts, kq, vq = self._encode_zero_point(k, groups, vs) if self.asym else self._encode_symmetric(k, groups, vs)
+        return {"data": _pack_nibbles(np.stack([kq, vq.reshape(v.shape)], axis=2)), **parts}
+
+    def _encode_symmetric(self, k, groups, vs):
+        kscale, vscale = _scales(np.abs(groups).max(axis=1), 7), _scales(np.abs(vs).max(axis=-1), 7)
+        kq = _quantise(k, self._per_token(kscale, len(k)), 7) + 8  # codes 1..15
+        vq = _quantise(vs, vscale[..., None], 7) + 8
+        return {"kscale": kscale, "vscale": vscale}, kq, vq
+
+    def _encode_zero_point(self, k, groups, vs):
         kzero, kscale = _zeros_and_scales(groups.min(axis=1), groups.max(axis=1), 15)
         vzero, vscale = _zeros_and_scales(vs.min(axis=-1), vs.max(axis=-1), 15)
         kq = _quantise_asym(k, self._per_token(kzero, len(k)), self._per_token(kscale, len(k)), 15)
-        vq = _quantise_asym(vs, vzero[..., None], vscale[..., None], 15).reshape(v.shape)
-        return {"data": _pack_nibbles(np.stack([kq, vq], axis=2)), "kscale": kscale, "kzero": kzero,
-                "vscale": vscale, "vzero": vzero}
+        vq = _quantise_asym(vs, vzero[..., None], vscale[..., None], 15)
+        return {"kscale": kscale, "kzero": kzero, "vscale": vscale, "vzero": vzero}, kq, vq
 
     def _key_groups(self, k: np.ndarray) -> np.ndarray:
         """Keys as (groups, key_group, ...); a partial last group is padded with its own last
