@@ -28,12 +28,13 @@ SQUAD = str((REPO / ".." / "shared" / "data" / "qa" / "squad_v1.1_dev.json").res
 # None: the library's pick (bf16 only on CPUs with AVX512-BF16/AMX, else float32; bf16
 # emulated on AVX2 is many times slower). CACHEGRAFT_BENCH_DTYPE=bfloat16 forces it.
 DTYPE = os.environ.get("CACHEGRAFT_BENCH_DTYPE") or None
-# The real-pair store P1, P6 and the batch benchmark share: 10 paragraphs hold 49
-# questions (enough for batch 32). Encoded with the closed fuser (the receiver's own
-# caches): what they time - retrieval, reading and assembling caches, the question's
-# prefill, decoding - reads caches of the same geometry and codec whatever made them, and
-# the random open fuser would cost ~2 min of sharer passes on a 2-core CPU for nothing.
-REAL_PASSAGES = 10
+# The real-pair store P1, P6 and the batch benchmark share: 20 SQuAD paragraphs (k=5
+# retrieves ~700 tokens, as the text systems read them; ~100 questions). Encoded with the
+# closed fuser (the receiver's own caches): what these benchmarks time - retrieval,
+# reading and assembling caches, the question's prefill, decoding - reads caches of the
+# same geometry and codec whatever made them, and a random open fuser would add ~3 min of
+# sharer passes on a 2-core CPU for nothing.
+REAL_PASSAGES = 20
 REAL_FUSER = "closed"
 WORK_DIR = Path(os.environ.get("CACHEGRAFT_BENCH_DIR", "/tmp/cachegraft-bench"))
 

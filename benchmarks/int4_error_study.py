@@ -49,6 +49,14 @@ def int4(x: np.ndarray, geometry: dict, **params) -> np.ndarray:
     return codec.decode(codec.encode(x), 0, len(x))
 
 
+def as_stored(caches: list[np.ndarray], geometry: dict, **params) -> list[np.ndarray]:
+    """The passages quantised as one segment holds them: concatenated, so key groups run
+    along the segment and a group may span two passages (the error study's other rows
+    start each passage's groups at its first token)."""
+    joined = int4(np.concatenate(caches), geometry, **params)
+    return np.split(joined, np.cumsum([len(c) for c in caches])[:-1])
+
+
 def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(((a - b) ** 2).sum() / (a ** 2).sum()))
 
@@ -61,7 +69,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     store = CacheStore.open(args.store)
-    caches = store.read(store.ids())
+    caches = store.read([r.id for r in sorted(store.rows(), key=lambda r: (r.segment, r.offset))])
     config = AutoConfig.from_pretrained(args.receiver)
     prefix = len(PromptTemplate.for_tokenizer(AutoTokenizer.from_pretrained(args.receiver)).prefix_ids())
     layers, _, heads, dim = caches[0].shape[1:]
@@ -85,6 +93,10 @@ def main(argv=None) -> int:
         }
         for name, (exact, approx) in variants.items():
             errors.setdefault(name, []).append(rel_rms(exact, approx))
+    for name, g, params in [("symmetric", 32, {"zero_point": False}), *[("zero point", g, {}) for g in (32, 64, 128, 256)]]:
+        for exact, approx in zip(caches, as_stored(caches, geometry, key_group=g, **params)):
+            errors.setdefault(f"keys as stored (groups span passages): {name}, {g}-token groups", []).append(
+                rel_rms(exact[:, :, 0], approx[:, :, 0]))
     means = {name: float(np.mean(e)) for name, e in errors.items()}
     rows = [[name, f"{value:.4f}"] for name, value in means.items()]
     bc.print_table(f"int4 error study: {len(caches)} passages of {Path(args.store).name}",

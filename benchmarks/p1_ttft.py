@@ -13,7 +13,7 @@ and cache loading included - to the first generated token.
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
 
-    python benchmarks/p1_ttft.py [--passages 10] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
+    python benchmarks/p1_ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 # (key, script, small-size arguments)
 SUITE = [
-    ("p1", "p1_ttft.py", ["--questions", "2", "--repeats", "2"]),
+    ("p1", "p1_ttft.py", ["--questions", "3", "--repeats", "1"]),
     ("p2", "fuse_speed.py", ["--n", "4", "--batch-sizes", "4", "--no-bf16-fuser",
                              "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3"]),
     ("p3", "p3_codecs.py", ["--questions", "16", "--codecs", "int8,int4"]),
