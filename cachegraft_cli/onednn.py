@@ -1,12 +1,14 @@
 """float32 linear layers through oneDNN on CPU.
 
-torch sends a float32 `nn.Linear` on CPU to MKL's sgemm, which is slow for the
-few-row matmuls that dominate answering from caches: the question's prefill is
-~20 rows. On the 2-core AMD EPYC (AVX2) these figures come from, oneDNN's
-linear was as fast at 1 row (decoding) and 700 rows (a text prefill), and
-~2x faster at 21-128 rows (a question, a passage), for the 0.5B receiver's
-layer shapes. Results differ from MKL's by float32 rounding only (max logit
-difference 8e-5 on a 21-token forward; same argmax).
+torch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On the 2-core AMD EPYC
+(AVX2) CacheGraft is measured on, oneDNN's linear is 1.1-1.7x faster for large
+layers (the 0.5B receiver's 896x4864 MLP: 1.6x at 1 row, 1.3x at 21, 1.1x at
+700) and slower for small ones (its 896x128 K/V projections: a fixed ~0.1 ms
+per call), so only layers of at least `MIN_WEIGHTS` weights are routed. The
+receiver's forward over a 21-token question got 1.45x faster, over a 700-token
+prompt 1.2x (`benchmarks/linear_kernels.py`). Results differ from MKL's by
+float32 rounding only (max logit difference 8e-5 on a 21-token forward; same
+argmax).
 
 `CACHEGRAFT_ONEDNN_LINEAR=0` turns it off. The op has no autograd kernel, so
 anything that needs gradients (fuser training) takes torch's own path.
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 ENV = "CACHEGRAFT_ONEDNN_LINEAR"
+MIN_WEIGHTS = 1 << 20  # in x out; the 896x896 attention projections stay on MKL
 
 
 def available() -> bool:
@@ -38,14 +41,16 @@ class OneDnnLinear(torch.nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
 
 
-def route_linears(module: torch.nn.Module) -> int:
-    """Make every plain float32 CPU `nn.Linear` in `module` a `OneDnnLinear` (in place, same
-    parameters); how many were changed. Nothing changes when oneDNN is unavailable or off."""
+def route_linears(module: torch.nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
+    """Make every plain float32 CPU `nn.Linear` of at least `min_weights` weights in `module` a
+    `OneDnnLinear` (in place, same parameters); how many were changed. Nothing changes when
+    oneDNN is unavailable or off."""
     if not available():
         return 0
     changed = 0
     for m in module.modules():
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+        w = getattr(m, "weight", None)
+        if type(m) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= min_weights:
             m.__class__ = OneDnnLinear
             changed += 1
     return changed
