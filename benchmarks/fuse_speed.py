@@ -53,7 +53,6 @@ from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
 from cachegraft_cli.fusion import FusionEngine  # noqa: E402
 from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
-from cachegraft_cli.onednn import route_linears  # noqa: E402
 from cachegraft_cli.template import PromptTemplate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +95,7 @@ def build_fusers(receiver, sharer, seed: int, with_bf16: bool) -> dict:
     fuser = Fuser.create(receiver.spec, sharer.spec, receiver.geometry, sharer.geometry)
     fuser.set_gates(1.0)
     fuser.eval()  # a new nn.Module trains: Gumbel gates + dropout; inference uses hard gates
-    route_linears(fuser)  # as place_fuser does for encode (float32 CPU linears through oneDNN)
+    fuser = place_fuser(fuser, receiver.device)  # as encode places it (dtype, oneDNN linears)
     fusers = {"float32": fuser}
     if with_bf16:
         fusers["bfloat16"] = cast_fuser(copy.deepcopy(fuser), torch.bfloat16)

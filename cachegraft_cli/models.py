@@ -113,7 +113,7 @@ def load_causal_lm(
     model.to(device).eval()
     from cachegraft_cli.onednn import route_linears
 
-    route_linears(model)  # float32 on CPU only: few-row matmuls ~2x faster (see onednn.py)
+    route_linears(model)  # large float32 CPU layers through oneDNN (see onednn.py)
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
 
 

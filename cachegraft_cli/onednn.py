@@ -47,10 +47,8 @@ def route_linears(module: torch.nn.Module, min_weights: int = MIN_WEIGHTS) -> in
     oneDNN is unavailable or off."""
     if not available():
         return 0
-    changed = 0
-    for m in module.modules():
-        w = getattr(m, "weight", None)
-        if type(m) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= min_weights:
-            m.__class__ = OneDnnLinear
-            changed += 1
-    return changed
+    chosen = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+              and m.weight.dtype == torch.float32 and m.weight.numel() >= min_weights]
+    for m in chosen:
+        m.__class__ = OneDnnLinear
+    return len(chosen)

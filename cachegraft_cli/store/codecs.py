@@ -270,9 +270,9 @@ def get_codec(name: str, geometry: dict, params: dict | None = None, stored: boo
     return cls(geometry, params)
 
 
-def codec_bytes_per_token(codec: str, geometry: dict, params: dict | None = None, stored: bool = False) -> float:
+def codec_bytes_per_token(codec: str, geometry: dict, params: dict | None = None) -> float:
     """Nominal (uncompressed) stored bytes per token of one cache kind."""
-    return get_codec(codec, geometry, params, stored).nominal_bytes_per_token()
+    return get_codec(codec, geometry, params).nominal_bytes_per_token()
 
 
 def raw_bf16_bytes_per_token(geometry: dict) -> int:
