@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import Callable, Iterable
 
 from cachegraft_cli.corpus import Passage
-from cachegraft_cli.errors import CorpusError
+from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
 
@@ -25,6 +25,12 @@ class EncodeOptions:
     max_passage_tokens: int = 512
     also_own_cache: bool = False
     commit_every: int = 2000
+
+    def __post_init__(self):
+        from cachegraft_cli.store.codecs import CODECS
+
+        if self.codec not in CODECS:  # checked here, before any model loads (tens of seconds)
+            raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
 
 
 @dataclass

@@ -139,3 +139,11 @@ def test_store_with_own_caches_keeps_them_and_cannot_gain_them(session, tmp_path
     encode_corpus(_passages(1), plain, session, EncodeOptions(codec="float32"))
     with pytest.raises(StoreMismatchError, match="without own caches"):
         encode_corpus(_passages(2), plain, session, EncodeOptions(codec="float32", also_own_cache=True))
+
+
+def test_unknown_codec_fails_before_any_model_loads():
+    from cachegraft_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="int5") as exc:
+        EncodeOptions(codec="int5")
+    assert "int4" in exc.value.hint
