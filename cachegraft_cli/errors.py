@@ -98,3 +98,13 @@ class DatasetError(CacheGraftError):
 
 class TrainingError(CacheGraftError):
     exit_code = 12
+
+
+class StorageError(CacheGraftError):
+    """Writing failed for a reason outside cachegraft: disk full, read-only filesystem, permissions."""
+
+    exit_code = 14
+
+
+class DiskFullError(StorageError):
+    """No space left (ENOSPC, or over quota) while writing."""

@@ -40,10 +40,19 @@ def _parse(data: bytes) -> dict | None:
 
 
 class WriterLock:
-    def __init__(self, loc: Location, run_info: dict | None = None):
+    """`name` is the lock file under the store (`writer.lock`; the index has its own)."""
+
+    def __init__(self, loc: Location, run_info: dict | None = None, name: str = LOCK):
         self.loc = loc
+        self.name = name
         self.info = holder_info(run_info)
         self._fh = None
+
+    def __enter__(self) -> "WriterLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def acquire(self) -> "WriterLock":
         if self.loc.local and _has_flock():
@@ -55,7 +64,12 @@ class WriterLock:
     def _acquire_local(self) -> None:
         import fcntl
 
-        fh = open(self.loc.path(LOCK), "a+b")
+        try:
+            fh = open(self.loc.path(self.name), "a+b")
+        except OSError as exc:
+            from cachegraft_cli.storage import write_error
+
+            raise write_error(exc, self.loc.path(self.name), "take the writer lock") from None
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -72,16 +86,16 @@ class WriterLock:
     def _acquire_exclusive(self) -> None:
         data = json.dumps(self.info).encode()
         try:
-            with self.loc.fs.open(self.loc.path(LOCK), "xb") as fh:
+            with self.loc.fs.open(self.loc.path(self.name), "xb") as fh:
                 fh.write(data)
         except FileExistsError:
-            raise _locked_error(self.loc, read_holder(self.loc)) from None
+            raise _locked_error(self.loc, read_holder(self.loc, self.name)) from None
         except (NotImplementedError, ValueError):  # filesystem without exclusive create: best effort
-            if self.loc.exists(LOCK):
-                raise _locked_error(self.loc, read_holder(self.loc)) from None
-            self.loc.write_bytes(LOCK, data)
-            if read_holder(self.loc) != self.info:
-                raise _locked_error(self.loc, read_holder(self.loc)) from None
+            if self.loc.exists(self.name):
+                raise _locked_error(self.loc, read_holder(self.loc, self.name)) from None
+            self.loc.write_bytes(self.name, data)
+            if read_holder(self.loc, self.name) != self.info:
+                raise _locked_error(self.loc, read_holder(self.loc, self.name)) from None
 
     def release(self) -> None:
         if self._fh is not None:
@@ -90,7 +104,7 @@ class WriterLock:
             self._fh.close()  # closing drops the flock
             self._fh = None
         elif not (self.loc.local and _has_flock()):
-            self.loc.remove(LOCK)
+            self.loc.remove(self.name)
 
 
 def _has_flock() -> bool:
@@ -101,10 +115,10 @@ def _has_flock() -> bool:
     return True
 
 
-def read_holder(loc: Location) -> dict | None:
+def read_holder(loc: Location, name: str = LOCK) -> dict | None:
     try:
-        return _parse(loc.read_bytes(LOCK))
-    except FileNotFoundError:
+        return _parse(loc.read_bytes(name))
+    except (FileNotFoundError, PermissionError, NotADirectoryError):
         return None
 
 
@@ -122,15 +136,33 @@ def is_held(loc: Location) -> bool:
     """Whether a writer holds the lock now (for local stores, asks the OS)."""
     if not (loc.local and _has_flock()):
         return loc.exists(LOCK)
-    try:
-        probe = WriterLock(loc)
-        probe._acquire_local()
-    except StoreLockedError:
-        return True
-    except FileNotFoundError:
-        return False
-    probe.release()
+    import fcntl
+
+    try:  # read-only: a reader of a read-only store must not need write access to ask this
+        fh = open(loc.path(LOCK), "rb")
+    except OSError:
+        return False  # no lock file (nobody ever wrote here), or unreadable
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
     return False
+
+
+def lock_store(url, run_info: dict | None = None, storage_options: dict | None = None) -> WriterLock:
+    """Take the writer lock of the store at `url` before anything else happens (models load,
+    the store is created): a second writer is refused at once. Makes the directory if needed."""
+    loc = Location.from_url(url, storage_options)
+    if loc.local:
+        try:
+            os.makedirs(loc.root, exist_ok=True)
+        except OSError as exc:
+            from cachegraft_cli.storage import write_error
+
+            raise write_error(exc, loc.root, "create the store directory") from None
+    return WriterLock(loc, run_info).acquire()
 
 
 def unlock(loc: Location, force: bool = False) -> str:

@@ -6,7 +6,7 @@ import json
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
-from cachegraft_cli.store.layout import CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.layout import COMMIT, CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
 
@@ -16,13 +16,39 @@ def empty_manifest() -> dict:
 
 
 def load_manifest(loc: Location) -> dict:
+    """The committed segments. A missing manifest means an empty store only when no
+    segment has a commit record: otherwise it was lost, and nothing may be collected."""
     try:
-        return loc.read_json(MANIFEST)
+        manifest = loc.read_json(MANIFEST)
     except FileNotFoundError:
+        committed = committed_segments(loc)
+        if committed:
+            raise StoreCorruptError(f"{loc.url}/{MANIFEST} is missing, but {len(committed)} committed segments are on disk.",
+                                    hint=_REPAIR_HINT.format(url=loc.url)) from None
         return empty_manifest()
     except ValueError as exc:
         raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
-                                hint="Restore it from a backup; segments/*/commit.json list what was committed.") from None
+                                hint=_REPAIR_HINT.format(url=loc.url)) from None
+    if not _well_formed(manifest):
+        raise StoreCorruptError(f"{loc.url}/{MANIFEST} does not list segments as a manifest does.",
+                                hint=_REPAIR_HINT.format(url=loc.url))
+    return manifest
+
+
+_REPAIR_HINT = "Rebuild it from the segments' commit records with `cachegraft store repair {url}`."
+
+
+def _well_formed(manifest) -> bool:
+    entries = manifest.get("segments") if isinstance(manifest, dict) else None
+    return isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("rows"), int)
+        and isinstance(e.get("tokens"), int) for e in entries)
+
+
+def committed_segments(loc: Location) -> list[str]:
+    """Segments on disk with a commit record (complete), listed or not."""
+    return [name for name in loc.list_names(SEGMENTS)
+            if name != "zarr.json" and loc.exists(segment_file(name, COMMIT))]
 
 
 def append_to_manifest(loc: Location, entry: dict) -> dict:
@@ -36,12 +62,15 @@ def append_to_manifest(loc: Location, entry: dict) -> dict:
 
 
 def collect_garbage(loc: Location) -> list[str]:
-    """Delete segments no manifest lists (left by killed or aborted writers) and temp files.
+    """Delete uncommitted segments no manifest lists (left by killed or aborted writers) and temp files.
 
-    Only called while holding the writer lock, so nothing else is writing.
+    A segment with a commit record is never deleted here, listed or not: it is
+    complete, and `store.repair` adopts or retires it. Only called while holding
+    the writer lock, so nothing else is writing.
     """
     listed = {s["name"] for s in load_manifest(loc)["segments"]}
-    removed = [name for name in loc.list_names(SEGMENTS) if name not in listed and name != "zarr.json"]
+    removed = [name for name in loc.list_names(SEGMENTS) if name not in listed and name != "zarr.json"
+               and not loc.exists(segment_file(name, COMMIT))]
     for name in removed:
         loc.remove(segment_dir(name))
     for name in loc.list_names(""):

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError, UsageError
+from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
@@ -70,9 +70,23 @@ class CacheStore:
     @classmethod
     def open(cls, url, expect: dict | None = None, storage_options: dict | None = None) -> "CacheStore":
         loc = Location.from_url(url, storage_options)
-        meta = _read_meta(loc)
+        meta = read_meta(loc)
         ident_mod.check(loc.url, meta["identity"], expect)
         return cls(loc, meta, segments.load_manifest(loc))
+
+    def refresh(self) -> "CacheStore":
+        """Catch up with the manifest as it is now (a writer calls this once it holds the lock,
+        so it plans against what other writers committed meanwhile)."""
+        manifest = segments.load_manifest(self.loc)
+        names = [s["name"] for s in manifest["segments"]]
+        mine = [e["name"] for e in self._entries]
+        if names[:len(mine)] != mine:  # segments were replaced (repair): start over
+            self.__init__(self.loc, self.meta, manifest)  # type: ignore[misc]
+            return self
+        new = manifest["segments"][len(mine):]
+        for entry, table in zip(new, segments.load_tables(self.loc, [e["name"] for e in new], self.rows_file)):
+            self._adopt(entry, table)
+        return self
 
     # -- passages ---------------------------------------------------------------
 
@@ -136,6 +150,11 @@ class CacheStore:
         return list(self._entries)
 
     @property
+    def tables(self) -> list[SegmentTable]:
+        """The row table of each committed segment, in manifest order."""
+        return list(self._tables)
+
+    @property
     def token_shape(self) -> tuple[int, ...]:
         g = self.geometry
         return (g["layers"], 2, g["kv_heads"], g["head_dim"])
@@ -165,7 +184,12 @@ class CacheStore:
         spans = [self._tables[ti].span(ri) for ti, ri in found]
         requests = [(self._array(self._tables[ti].segment, kind, c.name), c.rows(*span))
                     for (ti, _), span in zip(found, spans) for c in comps]
-        flat = _read_ranges(requests)
+        try:
+            flat = _read_ranges(requests)
+        except Exception as exc:  # noqa: BLE001 - a chunk that fails to decode: name the passages it holds
+            from cachegraft_cli.store.damage import unreadable_passages
+
+            raise unreadable_passages(self, ids, kind, exc) from None
         out = []
         for n, ((ti, ri), span) in enumerate(zip(found, spans)):
             parts = {c.name: flat[n * len(comps) + j] for j, c in enumerate(comps)}
@@ -177,9 +201,17 @@ class CacheStore:
     def _check_passage(self, ti: int, ri: int, kind: str, parts: dict) -> None:
         table = self._tables[ti]
         if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):
-            raise StoreCorruptError(
-                f"passage {table.ids[ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
-                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
+            from cachegraft_cli.store.damage import corrupt_error
+
+            raise corrupt_error(self, [table.ids[ri]], kind, "it fails its checksum; a shard may be missing")
+
+    def segment_of(self, passage_id: str) -> str:
+        """The segment holding a passage's current row."""
+        return self._tables[self._locate(passage_id)[0]].segment
+
+    def array(self, segment: str, kind: str, part: str):
+        """The (read-only) zarr array of one part of a segment's caches."""
+        return self._array(segment, kind, part)
 
     def _array(self, segment: str, kind: str, part: str):
         key = (segment, kind, part)
@@ -195,10 +227,11 @@ class CacheStore:
 
     # -- writing, reporting -----------------------------------------------------
 
-    def writer(self, run_info: dict | None = None):
+    def writer(self, run_info: dict | None = None, lock=None):
+        """A writer session; `lock` is a `WriterLock` already held (see `lock.lock_store`)."""
         from cachegraft_cli.store.writer import StoreWriter
 
-        return StoreWriter(self, run_info)
+        return StoreWriter(self, run_info, lock)
 
     def info(self) -> dict:
         from cachegraft_cli.store.report import info
@@ -223,13 +256,20 @@ def _read_ranges(requests: list) -> list[np.ndarray]:
     return [np.asarray(a) for a in sync(gather())]
 
 
-def _read_meta(loc: Location) -> dict:
+def read_meta(loc: Location) -> dict:
+    """The store metadata in the root zarr.json (typed errors for what is not a store)."""
     try:
         root = loc.read_json(ROOT_META)
     except FileNotFoundError:
         raise StoreNotFoundError(f"no cache store at {loc.url}.",
                                  hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.") from None
-    meta = root.get("attributes", {}).get("cachegraft")
+    except (NotADirectoryError, IsADirectoryError, ValueError):
+        raise StoreError(f"{loc.url} is not a cache store (it is a file, or its zarr.json is not JSON).",
+                         hint="Point --store at a directory made by `cachegraft encode`.") from None
+    meta = root.get("attributes", {}).get("cachegraft") if isinstance(root, dict) else None
+    if not meta and _half_created(loc):
+        raise StoreNotFoundError(f"the creation of the store at {loc.url} was interrupted before it finished.",
+                                 hint=f"Run `cachegraft encode CORPUS --store {loc.url}` to create it again.")
     if not meta:
         raise StoreNotFoundError(f"{loc.url} is a zarr group but not a cache store.",
                                  hint="Point --store at a directory made by `cachegraft encode`.")
@@ -248,10 +288,17 @@ def _store_exists(loc: Location) -> bool:
     if segments.load_manifest(loc)["segments"]:
         raise StoreError(f"{loc.url} holds segments but its zarr.json does not describe a cache store.",
                          hint="Restore zarr.json from a backup, or use another --store.")
-    leftovers = set(loc.list_names("")) - {ROOT_META, PREFIX, "manifest.json"}
-    if leftovers:
+    if not _half_created(loc):
         raise StoreError(f"{loc.url} is a zarr group but not a cache store.", hint="Use another --store.")
     return False
+
+
+def _half_created(loc: Location) -> bool:
+    """Only what a store creation killed before its root metadata leaves behind (made again on create)."""
+    from cachegraft_cli.store.layout import LOCK, MANIFEST, SEGMENTS
+
+    names = {n for n in loc.list_names("") if ".tmp-" not in n}
+    return names <= {ROOT_META, PREFIX, MANIFEST, LOCK, SEGMENTS} and not loc.list_names(SEGMENTS)
 
 
 def _check_kinds(store: CacheStore, kinds: tuple) -> None:
@@ -294,6 +341,9 @@ def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
 
     if loc.local:
         os.makedirs(loc.root, exist_ok=True)
+    for name in loc.list_names(""):  # temp files of a creation that was killed
+        if ".tmp-" in name:
+            loc.remove(name)
     zstore = loc.zarr_store(read_only=False)
     arr = zarr.create_array(store=zstore, name=PREFIX, shape=prefix.shape, dtype="float32",
                             chunks=prefix.shape if len(prefix) else (1,) + prefix.shape[1:], overwrite=True)
@@ -301,3 +351,6 @@ def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
     if not loc.exists(MANIFEST):
         loc.write_json_atomic(MANIFEST, segments.empty_manifest())
     loc.write_json_atomic(ROOT_META, {"zarr_format": 3, "node_type": "group", "attributes": {"cachegraft": meta}})
+
+
+_read_meta = read_meta  # older name

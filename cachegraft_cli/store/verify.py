@@ -1,11 +1,19 @@
-"""`CacheStore.verify()`: every chunk decodes and every passage matches its checksums."""
+"""`CacheStore.verify()`: every chunk decodes and every passage matches its checksums.
+
+Each problem names its segment and, where it is one passage's, the passage
+and its row; `code` says what kind of problem it is (for `store repair`):
+`commit_missing`, `rows_mismatch`, `offsets`, `content`, `arrays`,
+`shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`.
+"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from cachegraft_cli.store import checksums
-from cachegraft_cli.store.layout import COMMIT, segment_file
+from cachegraft_cli.store import checksums, segments
+from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, segment_file
 
 
 def verify(store, progress=None) -> dict:
@@ -19,43 +27,63 @@ def verify(store, progress=None) -> dict:
         if progress:
             progress(done[0], total)
 
-    for table, entry in zip(store._tables, store.segments):
+    for table, entry in zip(store.tables, store.segments):
         problems += _check_table(store, table, entry)
         for kind in store.kinds:
             problems += _check_kind(store, table, kind, advance)
+    problems += _duplicates(store.tables)
     return {"ok": not problems, "url": store.loc.url, "segments": len(store.segments),
-            "rows": sum(len(t) for t in store._tables), "tokens": total // max(len(store.kinds), 1),
+            "rows": sum(len(t) for t in store.tables), "tokens": total // max(len(store.kinds), 1),
             "problems": problems}
 
 
-def _problem(table, row, kind, part, text) -> dict:
+def _problem(table, row, kind, part, text, code) -> dict:
     passage = table.ids[row] if row is not None else None
-    return {"segment": table.segment, "passage": passage, "kind": kind, "part": part, "problem": text}
+    return {"segment": table.segment, "passage": passage, "row": row, "kind": kind, "part": part,
+            "problem": text, "code": code}
 
 
 def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
-        out.append(_problem(table, None, None, None, "commit.json is missing"))
-    offsets = np.concatenate([[0], np.cumsum(table.tokens)])
-    if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
-        out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens"))
+        out.append(_problem(table, None, None, None, "commit.json is missing", "commit_missing"))
+    ends = table.offsets + table.tokens
+    ordered = bool(np.all(table.tokens > 0)) and bool(np.all(table.offsets[1:] >= ends[:-1])) if len(table) else True
+    inside = not len(table) or (int(table.offsets[0]) >= 0 and int(ends[-1]) <= entry["tokens"])
+    if not (ordered and inside):  # rows in token order, not overlapping (a repaired segment may have gaps)
+        out.append(_problem(table, None, None, None, f"{store.rows_file} offsets overlap or leave the segment's tokens",
+                            "offsets"))
     if len(table) != entry["rows"]:
         out.append(_problem(table, None, None, None,
-                            f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}"))
+                            f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}", "rows_mismatch"))
+    out += _check_content(store, table)
     return out
+
+
+def _check_content(store, table) -> list[dict]:
+    try:
+        blob = store.loc.read_many([segment_file(table.segment, CONTENT)])[0]
+        columns = json.loads(blob)["columns"]
+        if any(len(columns[c]) != len(table) for c in ("title", "text", "metadata")):
+            raise ValueError("column lengths differ from the row count")
+    except Exception as exc:  # noqa: BLE001 - any failure to read the text is damage to report
+        return [_problem(table, None, None, None, f"content.json is unreadable ({type(exc).__name__}: {exc})",
+                         "content")]
+    return []
 
 
 def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
-    tokens = int(table.tokens.sum())
+    tokens = int((table.offsets + table.tokens).max()) if len(table) else 0
     try:
-        arrays = {c.name: store._array(table.segment, kind, c.name) for c in comps}
+        arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report
-        return [_problem(table, None, kind, None, f"arrays do not open: {exc}")]
+        return [_problem(table, None, kind, None, f"arrays do not open: {exc}", "arrays")]
     spans = [table.span(i) for i in range(len(table))]
     crcs = [checksums.empty([kind], comps) for _ in spans]
     damaged: dict[int, dict] = {}
+    for comp in comps:
+        _mark_missing_shards(store, table, kind, comp, tokens, spans, damaged)
     for start in range(0, tokens, store.shard_tokens):
         stop = min(start + store.shard_tokens, tokens)
         parts = {c.name: _read_block(arrays[c.name], c, start, stop, table, spans, kind, damaged) for c in comps}
@@ -65,14 +93,31 @@ def _check_kind(store, table, kind, advance) -> list[dict]:
     for i, crc in enumerate(crcs):
         if i not in damaged and crc[kind] != table.checksum(i, kind):
             bad = [name for name in crc[kind] if crc[kind][name] != table.checksum(i, kind).get(name)]
-            out.append(_problem(table, i, kind, ",".join(bad), "checksum mismatch"))
+            out.append(_problem(table, i, kind, ",".join(bad), "checksum mismatch", "checksum"))
     return out
+
+
+def _mark_missing_shards(store, table, kind, comp, tokens, spans, damaged) -> None:
+    """A deleted shard reads back as fill values: name it instead of reporting a checksum mismatch."""
+    per_shard = segments.chunk_rows(store, comp)[1]
+    rows = comp.rows(0, tokens)[1]
+    root = store.loc.path(array_path(table.segment, kind, comp.name)) + "/c/"
+    try:
+        present = {p[len(root):].split("/", 1)[0] for p in store.loc.fs.find(root)}
+    except (OSError, ValueError):
+        present = set()
+    for shard in range(-(-rows // per_shard)):
+        if str(shard) not in present:
+            lo, hi = shard * per_shard * comp.stride, min((shard + 1) * per_shard * comp.stride, tokens)
+            _mark(table, spans, kind, comp, (lo, hi), f"shard file c/{shard} is missing (tokens [{lo}, {hi}))",
+                  damaged, "shard_missing")
 
 
 def _read_block(arr, comp, start, stop, table, spans, kind, damaged) -> np.ndarray:
     lo, hi = comp.rows(start, stop)
     if arr.shape[0] < hi:
-        _mark(table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}", damaged)
+        _mark(table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}",
+              damaged, "array_short")
     try:
         return np.asarray(arr[lo:hi])
     except Exception:  # noqa: BLE001 - localise below, chunk by chunk
@@ -88,11 +133,28 @@ def _salvage(arr, comp, lo, hi, table, spans, kind, damaged) -> np.ndarray:
             out[a - lo: b - lo] = arr[a:b]
         except Exception as exc:  # noqa: BLE001
             tokens = (a * comp.stride, b * comp.stride)
-            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: {exc}", damaged)
+            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: {exc}",
+                  damaged, "chunk")
     return out
 
 
-def _mark(table, spans, kind, comp, tokens, text, damaged) -> None:
+def _mark(table, spans, kind, comp, tokens, text, damaged, code) -> None:
     for i, (a, b) in enumerate(spans):
         if a < tokens[1] and b > tokens[0] and i not in damaged:
-            damaged[i] = _problem(table, i, kind, comp.name, text)
+            damaged[i] = _problem(table, i, kind, comp.name, text, code)
+
+
+def _duplicates(tables) -> list[dict]:
+    """Rows whose id a later row has again (encode never writes that; two writers racing did).
+    The later row is what readers see; the shadowed ones are the problems."""
+    latest = {pid: (t, i) for t, table in enumerate(tables) for i, pid in enumerate(table.ids)}
+    if len(latest) == sum(len(t) for t in tables):
+        return []
+    out = []
+    for t, table in enumerate(tables):
+        for i, pid in enumerate(table.ids):
+            lt, li = latest[pid]
+            if (lt, li) != (t, i):
+                out.append(_problem(table, i, None, None,
+                                    f"duplicate id: a later row in segment {tables[lt].segment} shadows it", "duplicate"))
+    return out

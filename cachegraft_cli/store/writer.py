@@ -4,7 +4,8 @@ Order of writes (what makes a SIGKILL at any point harmless):
   1. arrays under segments/<new>/ (whole shards, flushed as they fill)
   2. rows.json, content.json, then commit.json (the segment is complete)
   3. manifest.json replaced atomically with the new segment listed
-Until step 3 the segment is invisible; the next writer deletes unlisted segments.
+Until step 3 the segment is invisible. The next writer deletes unlisted segments
+that have no commit.json and adds committed ones to the manifest (`repair.recover`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
 from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, new_segment_name, now_iso, segment_dir, segment_file
 from cachegraft_cli.store.lock import WriterLock
+from cachegraft_cli.store.repair import recover
 from cachegraft_cli.store.rows import PassageRow, build_table, content_columns, content_hash_of
 
 
 class StoreWriter:
-    def __init__(self, store, run_info: dict | None = None):
+    """`lock`: a `WriterLock` the caller already holds for a longer session (kept at
+    commit); without one the writer takes the lock itself and releases it at commit."""
+
+    def __init__(self, store, run_info: dict | None = None, lock: WriterLock | None = None):
         self.store = store
         self.run_info = dict(run_info or {})
         self.name = new_segment_name()
-        self.lock = WriterLock(store.loc, self.run_info).acquire()
+        self._owns_lock = lock is None
+        self.lock = lock or WriterLock(store.loc, self.run_info).acquire()
         self.closed = False
         self.rows: list[PassageRow] = []
         self.spans: list[tuple[int, int]] = []
@@ -38,9 +44,9 @@ class StoreWriter:
                              for c in store.codec.components()}
         self._hashes: set[str] = set()
         try:
-            segments.collect_garbage(store.loc)
+            recover(store)  # garbage out, committed-but-unlisted segments in, snapshot up to date
         except BaseException:
-            self.lock.release()
+            self._release()
             raise
 
     # -- context manager -----------------------------------------------------
@@ -149,8 +155,12 @@ class StoreWriter:
             self.abort()
             raise
         self.closed = True
-        self.lock.release()
+        self._release()
         return entry
+
+    def _release(self) -> None:
+        if self._owns_lock:
+            self.lock.release()
 
     def _commit(self) -> dict:
         self._flush(final=True)
@@ -178,7 +188,7 @@ class StoreWriter:
         try:
             self.store.loc.remove(segment_dir(self.name))
         finally:
-            self.lock.release()
+            self._release()
 
     def _check_open(self) -> None:
         if self.closed:
