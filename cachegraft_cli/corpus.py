@@ -86,8 +86,8 @@ def slugify(title: str) -> str:
 
 
 class CorpusReader:
-    """Iterable of `Passage`. Each iteration re-reads the source (stdin once)
-    and resets `skipped` (Counter by reason) and `examples` (first messages)."""
+    """Iterable of `Passage`. Each iteration re-reads the source (stdin from its
+    spooled copy) and resets `skipped` (Counter by reason) and `examples` (first messages)."""
 
     def __init__(self, source: str, fmt: str, fields: _Fields, skip_bad: bool, stdin: IO | None):
         self.source, self.format, self.fields = source, fmt, fields
@@ -95,6 +95,7 @@ class CorpusReader:
         self.skipped: Counter[str] = Counter()
         self.examples: list[str] = []
         self.count = 0
+        self._spool: IO[bytes] | None = None  # stdin, copied to a temp file on first read
 
     def __iter__(self) -> Iterator[Passage]:
         self.skipped, self.examples, self.count = Counter(), [], 0
@@ -135,11 +136,27 @@ class CorpusReader:
         return readers[self.format](self)
 
     def open_binary(self) -> tuple[IO, bool]:
-        """(stream, whether to close it): stdin is read but never closed."""
+        """(stream, whether to close it). Stdin is copied to a temporary file as it is first
+        read (on disk, not in memory), so it can be read again like a file."""
         if self.source == "-":
-            stream = self._stdin if self._stdin is not None else sys.stdin
-            return getattr(stream, "buffer", stream), False
+            if self._spool is None:
+                self._spool = _spool(self._stdin if self._stdin is not None else sys.stdin)
+            self._spool.seek(0)
+            return self._spool, False
         return open(self.source, "rb"), True
+
+
+def _spool(stream: IO) -> IO[bytes]:
+    import tempfile
+
+    spool = tempfile.TemporaryFile(prefix="cachegraft-stdin-")  # noqa: SIM115 - lives as long as the reader
+    source = getattr(stream, "buffer", stream)
+    while True:
+        block = source.read(1 << 20)
+        if not block:
+            break
+        spool.write(block.encode("utf-8", "surrogateescape") if isinstance(block, str) else block)
+    return spool
 
 
 def read_corpus(

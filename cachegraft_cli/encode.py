@@ -4,6 +4,15 @@ Idempotent and resumable: a passage whose content hash is already in the store
 is skipped, and rows become visible only when their segment commits (every
 `commit_every` passages and at the end), so an interrupted run loses at most
 one uncommitted window and a re-run finishes the job without duplicates.
+
+Order (what makes two writers, a kill or a full disk harmless):
+  1. the corpus is read and checked by the caller (`check_corpus`), the target
+     store by `preflight`: nothing is written, no model is loaded;
+  2. the store's writer lock is taken (a second writer is refused at once);
+  3. the models load, the store is created or opened: the plan is made
+     against the manifest as it is once the lock is held;
+  4. the corpus is streamed again, window by window, each window one segment.
+The corpus is never held in memory as a whole: it is read once per step.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from typing import Callable, Iterable
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
+
+
+MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
 
 
 @dataclass
@@ -31,6 +43,19 @@ class EncodeOptions:
 
         if self.codec not in CODECS:  # checked here, before any model loads (tens of seconds)
             raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
+        _check_range("batch size", self.batch_size, 1, MAX_BATCH_SIZE)
+        _check_range("max passage tokens", self.max_passage_tokens, 16, 1 << 20)
+        _check_range("commit every", self.commit_every, 1, 1 << 30)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("fused", "own") if self.also_own_cache else ("fused",)
+
+
+def _check_range(what: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{what} must be a whole number from {low} to {high:,}; got {value!r}.",
+                         f"Pass a value from {low} to {high:,}.")
 
 
 @dataclass
@@ -125,6 +150,27 @@ def _whitespace_cut(text: str, offsets, first: int, last: int) -> int:
     return last
 
 
+def check_corpus(reader) -> int:
+    """Read the whole corpus once (streamed) and check every record; the passage count.
+    An input that yields no passage at all is an error, not an empty store."""
+    count = reader.validate()
+    if count:
+        return count
+    skipped = sum(reader.skipped.values())
+    if skipped:
+        raise CorpusError(f"{reader.source}: every record was bad ({skipped} skipped: "
+                          f"{', '.join(f'{n} {why}' for why, n in reader.skipped.items())}).",
+                          "Fix the input; nothing was written.")
+    if reader.format == "dir":
+        raise CorpusError(f"{reader.source}: no readable .txt or .md file in this directory.",
+                          "Point at a directory of .txt/.md files, or at a JSONL/CSV/JSON corpus.")
+    raise CorpusError(f"{_label(reader.source)}: the corpus holds no passages.", "Give a corpus with at least one passage.")
+
+
+def _label(source: str) -> str:
+    return "<stdin>" if source == "-" else source
+
+
 def encode_corpus(
     passages: Iterable[Passage],
     store_url: str,
@@ -132,37 +178,68 @@ def encode_corpus(
     options: EncodeOptions,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
+    planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into the store at `store_url` (created if missing)."""
+    """Encode passages into the store at `store_url` (created if missing).
+
+    `passages` is read more than once (plan, then write): a `CorpusReader` or a
+    list; a one-shot iterator is listed first. `planned(n)` hears how many
+    chunks will be encoded, once that is known.
+    """
+    from cachegraft_cli.storage import writing
+    from cachegraft_cli.store.lock import lock_store
+    from cachegraft_cli.store.preflight import check_target
+    from cachegraft_cli.store.repair import recover
+
     start = time.perf_counter()
-    store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
+    source = list(passages) if iter(passages) is passages else passages
+    check_target(store_url, options.codec, options.kinds)
     summary = EncodeSummary(store=store_url)
-    todo = _plan(passages, store, session.template, options, summary)
-    _write(todo, store, session, options, summary, progress)
+    with lock_store(store_url, {"tool": "cachegraft encode"}) as lock:
+        store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
+        recover(store)  # committed-but-unlisted segments count as stored before the plan is made
+        todo = _plan(source, store, session.template, options, summary)
+        if planned:
+            planned(todo)
+        with writing(store_url, "write the store"):
+            _write(source, store, session, options, summary, progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)
     summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
     return summary
 
 
-def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
-    """Read and check everything before writing anything; drop what is already stored
-    (same id, same content hash: identical text under two ids is stored twice)."""
-    known = store.content_hashes()
-    todo: list[Chunk] = []
-    seen: set[str] = set()
+def _corpus_chunks(passages, template, options: EncodeOptions, summary: EncodeSummary | None = None):
+    """Every chunk of every passage, in corpus order (counted into `summary` when given)."""
     for passage in passages:
-        summary.passages_read += 1
         chunks = split_passage(passage, template, options.max_passage_tokens)
-        summary.chunks_split += len(chunks) - 1
-        for chunk in chunks:
-            digest = chunk.content_hash
-            _check_changed(chunk, known, digest)
-            if known.get(chunk.id) == digest or chunk.id in seen:  # stored already, or a repeat in this corpus
-                summary.skipped_existing += 1
-                continue
+        if summary is not None:
+            summary.passages_read += 1
+            summary.chunks_split += len(chunks) - 1
+        yield from chunks
+
+
+def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> int:
+    """Check every chunk against the store before writing anything; how many are new
+    (same id, same content hash: stored already; identical text under two ids is stored twice)."""
+    known = store.content_hashes()
+    seen: set[str] = set()
+    for chunk in _corpus_chunks(passages, template, options, summary):
+        _check_changed(chunk, known, chunk.content_hash)
+        if known.get(chunk.id) == chunk.content_hash or chunk.id in seen:  # stored already, or a repeat
+            summary.skipped_existing += 1
+            continue
+        seen.add(chunk.id)
+    return len(seen)
+
+
+def _todo(passages, store, template, options: EncodeOptions):
+    """The chunks `_plan` counted, streamed again (the plan checked them all)."""
+    known = store.content_hashes()
+    seen: set[str] = set()
+    for chunk in _corpus_chunks(passages, template, options):
+        if known.get(chunk.id) != chunk.content_hash and chunk.id not in seen:
             seen.add(chunk.id)
-            todo.append(chunk)
-    return todo
+            yield chunk
 
 
 def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
@@ -174,11 +251,10 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
-def _write(todo: list[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress) -> None:
+def _write(passages, store, session: ModelSession, options: EncodeOptions, summary, progress, lock) -> None:
     """Encode in commit windows; each window is one segment, visible once committed."""
-    for window_start in range(0, len(todo), options.commit_every):
-        window = todo[window_start : window_start + options.commit_every]
-        with store.writer({"tool": "cachegraft encode", "passages": len(window)}) as writer:
+    for window in _windows(_todo(passages, store, session.template, options), options.commit_every):
+        with store.writer({"tool": "cachegraft encode", "passages": len(window)}, lock=lock) as writer:
             for batch in _batches(window, options.batch_size):
                 _encode_batch(batch, writer, session, options, summary)
                 if progress:
@@ -187,6 +263,17 @@ def _write(todo: list[Chunk], store, session: ModelSession, options: EncodeOptio
         if entry:
             summary.segments.append(entry["name"])
             summary.bytes += sum(entry["bytes"].values())
+
+
+def _windows(chunks, size: int):
+    window: list[Chunk] = []
+    for chunk in chunks:
+        window.append(chunk)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
 
 
 def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from cachegraft_cli.errors import HubUnreachableError, ModelLoadError
+from cachegraft_cli.errors import HubUnreachableError, ModelLoadError, UsageError
 
 
 @dataclass
@@ -54,6 +54,41 @@ def pick_device(device: str | None = None) -> str:
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+          "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}.", "Use bfloat16, float16 or float32.")
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device this torch cannot use, before anything loads (`cuda:7` on a CPU-only build)."""
+    if not device:
+        return
+    import torch
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {device!r}.", "Use cpu, cuda, cuda:N or mps.") from None
+    if where.type == "cpu":
+        return
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if not torch.backends.cuda.is_built() else "no CUDA GPU is visible"
+            raise UsageError(f"device {device!r}: {why}.", "Use --device cpu, or leave --device out to pick one.")
+        count = torch.cuda.device_count()
+        if where.index is not None and where.index >= count:
+            raise UsageError(f"device {device!r}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1}).",
+                             "Pick one of those, or leave --device out.")
+        return
+    if where.type == "mps" and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return
+    raise UsageError(f"device {device!r} is not available here.", "Use cpu, cuda, cuda:N or mps.")
 
 
 def pick_dtype(device: str, dtype: str | None = None):

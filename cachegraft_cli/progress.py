@@ -21,5 +21,9 @@ class EncodeProgress:
         self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
         self.bar.update(passages)
 
+    def set_total(self, total: int) -> None:
+        """The number of chunks to encode, once the plan knows it (stored ones are not counted)."""
+        self.bar.reset(total=total)
+
     def __exit__(self, *exc):
         self.bar.close()

@@ -27,6 +27,27 @@ class ModelChoice:
     trust_remote_code: bool = False
     instruction: str = DEFAULT_INSTRUCTION
 
+    def __post_init__(self):
+        # A local model or fuser is recorded in the store by absolute path, so `ask` finds it from
+        # any directory and the same files named another way are the same models.
+        self.receiver = _absolute(self.receiver)
+        self.sharer = _absolute(self.sharer)
+        self.fuser = _absolute(self.fuser)
+
+    def check(self) -> ModelChoice:
+        """Everything about the choice that can be checked without loading a model:
+        device, dtype, that local specs exist, built-in fuser names. Raises typed errors."""
+        from cachegraft_cli.fuser import check_fuser_spec
+        from cachegraft_cli.models import check_device, check_dtype, resolve_source
+
+        check_device(self.device)
+        check_dtype(self.dtype)
+        for spec in (self.receiver, self.sharer):
+            if spec:
+                resolve_source(spec)
+        check_fuser_spec(self.fuser)
+        return self
+
     @classmethod
     def resolve(cls, preset: str | None = None, receiver=None, sharer=None, fuser=None, **kw) -> "ModelChoice":
         """Preset defaults (the paper's pair when nothing is given) overridden by explicit specs."""
@@ -37,6 +58,16 @@ class ModelChoice:
             fuser=fuser if fuser is not None else (base.fuser if base else "closed"),
             **{k: v for k, v in kw.items() if v is not None},
         )
+
+
+def _absolute(spec: str | None) -> str | None:
+    """An existing local path made absolute; hub ids, `pulled:`/`builtin:` names and `closed` as given."""
+    from pathlib import Path
+
+    if not spec or ":" in spec.split("/", 1)[0] or spec in ("closed", "none"):
+        return spec
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
 
 
 class ModelSession:
@@ -131,7 +162,10 @@ class ModelSession:
                 "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
             )
         prefix = kvcache.to_token_major(self.engine().prefix_kv())
-        return CacheStore.create(url, self.identity(codec), prefix, existing or kinds)
+        from cachegraft_cli.storage import writing
+
+        with writing(str(url), "create the store"):
+            return CacheStore.create(url, self.identity(codec), prefix, existing or kinds)
 
 
 def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:

@@ -176,7 +176,13 @@ def test_empty_store_and_changed_receiver(tiny_dirs, tmp_path, capsys, monkeypat
     empty = _corpus(tmp_path / "empty.jsonl", [])
     receiver = tmp_path / "receiver"
     shutil.copytree(tiny_dirs["receiver"], receiver)
-    _encode(capsys, monkeypatch, empty, tmp_path / "empty-store", receiver)
+    code, _, err = run(capsys, monkeypatch, "encode", empty, "--store", tmp_path / "empty-store", "--receiver", receiver)
+    assert code == 8 and "no passages" in err and not (tmp_path / "empty-store").exists()  # refused, nothing written
+    from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.session import ModelChoice, ModelSession
+
+    session = ModelSession(ModelChoice(str(receiver), None, "closed", device="cpu", dtype="float32"))
+    encode_corpus([], str(tmp_path / "empty-store"), session, EncodeOptions(codec="float32"))  # the library may
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", tmp_path / "empty-store")
     assert code == 10 and "no passages" in err
     store = tmp_path / "store"

@@ -36,20 +36,21 @@ def encode(
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
     from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.encode import EncodeOptions, check_corpus, encode_corpus
     from cachegraft_cli.progress import EncodeProgress
     from cachegraft_cli.session import ModelChoice, ModelSession
 
+    # Everything is checked before anything is written or any model loads.
+    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
+    choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype,
+                                 trust_remote_code=trust_remote_code, instruction=instruction).check()
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
                          skip_bad=skip_bad, format=fmt)
-    passages = list(reader)  # read and check everything before any model loads or anything is written
-    choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype,
-                                 trust_remote_code=trust_remote_code, instruction=instruction)
+    count = check_corpus(reader)  # one streamed pass over every record; nothing is kept in memory
     if choice.fuser in (None, "closed"):
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
-    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
-    with EncodeProgress(len(passages)) as bar:
-        summary = encode_corpus(passages, store, ModelSession(choice), options, progress=bar)
+    with EncodeProgress(count) as bar:
+        summary = encode_corpus(reader, store, ModelSession(choice), options, progress=bar, planned=bar.set_total)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     if json_out:

@@ -22,7 +22,9 @@ FuserOpt = Annotated[
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1, mps (default: best available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default: by device).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own code.")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Passages or questions per forward pass.")]
+BatchOpt = Annotated[
+    int, typer.Option("--batch-size", "-b", min=1, max=4096, help="Passages or questions per forward pass.")
+]
 TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 InstructionOpt = Annotated[

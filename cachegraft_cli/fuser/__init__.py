@@ -37,10 +37,26 @@ def place_fuser(fuser, device):
     return fuser
 
 
+def check_fuser_spec(spec: str | None) -> None:
+    """What can be checked of a fuser spec without loading it or asking the hub."""
+    if spec in (None, "", "closed", "none"):
+        return
+    if spec.startswith("builtin:"):
+        resolve_fuser_dir(spec)
+    elif Path(spec).expanduser().exists():
+        from cachegraft_cli.fuser.checkpoint import detect_layout
+
+        detect_layout(Path(spec).expanduser())
+    elif "/" not in spec:
+        raise CheckpointError(f"Fuser {spec!r} is neither a local directory nor a hub repo id.", _FUSER_HINT)
+
+
 def resolve_fuser_dir(spec: str) -> Path:
     if spec.startswith("builtin:"):
-        path = BUILTIN_DIR / spec.removeprefix("builtin:")
-        if not path.is_dir():
+        name = spec.removeprefix("builtin:")
+        path = BUILTIN_DIR / name
+        # a name, never a path: `builtin:../../x` must not reach outside the shipped fusers
+        if not _is_plain_name(name) or path.resolve().parent != BUILTIN_DIR.resolve() or not path.is_dir():
             known = ", ".join(sorted(p.name for p in BUILTIN_DIR.iterdir())) if BUILTIN_DIR.is_dir() else "none"
             raise CheckpointError(f"No built-in fuser named {spec!r}.", f"Built-in fusers: {known}.")
         return path
@@ -54,6 +70,12 @@ def resolve_fuser_dir(spec: str) -> Path:
 
 
 _FUSER_HINT = "Give --fuser a local directory, REPO:SUBFOLDER on the hub, builtin:<name>, or closed."
+
+
+def _is_plain_name(name: str) -> bool:
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name)) and ".." not in name
 
 
 def _hub_fuser_dir(repo: str, subfolder: str) -> Path:

@@ -20,8 +20,9 @@ class Location:
     fs: Any
     root: str
     local: bool
-    storage_options: dict = field(default_factory=dict)
+    storage_options: dict = field(default_factory=dict, repr=False)  # may hold credentials: never shown
     _made: set = field(default_factory=set, repr=False)  # directories already created by write_bytes
+    raw_url: str = field(default="", repr=False)  # `url` with any user:password@ in it (opened, never shown)
 
     @classmethod
     def from_url(cls, url: str | os.PathLike, storage_options: dict | None = None) -> "Location":
@@ -33,7 +34,7 @@ class Location:
             text = str(Path(text).expanduser().resolve())
         fs, root = url_to_fs(text, **(storage_options or {}))
         local = isinstance(fs, LocalFileSystem)
-        return cls(text, fs, root.rstrip("/"), local, dict(storage_options or {}))
+        return cls(redact(text), fs, root.rstrip("/"), local, dict(storage_options or {}), raw_url=text)
 
     def path(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -78,11 +79,15 @@ class Location:
         final = Path(self.path(rel))
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not also leave a torn temp file behind
+            raise
         _fsync_dir(final.parent)
 
     def list_names(self, rel: str) -> list[str]:
@@ -112,7 +117,15 @@ class Location:
             return LocalStore(self.root, read_only=read_only)
         from zarr.storage import FsspecStore
 
-        return FsspecStore.from_url(self.url, storage_options=self.storage_options or None, read_only=read_only)
+        return FsspecStore.from_url(self.raw_url or self.url, storage_options=self.storage_options or None,
+                                    read_only=read_only)
+
+
+def redact(url: str) -> str:
+    """A URL fit for messages and logs: credentials written into it (`s3://key:secret@bucket`) are masked."""
+    import re
+
+    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/@]*@", r"\1***@", url)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -48,7 +48,7 @@ class WriterLock:
         self.info = holder_info(run_info)
         self._fh = None
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -139,7 +139,7 @@ def is_held(loc: Location) -> bool:
     import fcntl
 
     try:  # read-only: a reader of a read-only store must not need write access to ask this
-        fh = open(loc.path(LOCK), "rb")
+        fh = open(loc.path(LOCK), "rb")  # noqa: SIM115 - closed by the `with` below
     except OSError:
         return False  # no lock file (nobody ever wrote here), or unreadable
     with fh:

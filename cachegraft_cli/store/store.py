@@ -74,7 +74,7 @@ class CacheStore:
         ident_mod.check(loc.url, meta["identity"], expect)
         return cls(loc, meta, segments.load_manifest(loc))
 
-    def refresh(self) -> "CacheStore":
+    def refresh(self) -> CacheStore:
         """Catch up with the manifest as it is now (a writer calls this once it holds the lock,
         so it plans against what other writers committed meanwhile)."""
         manifest = segments.load_manifest(self.loc)
@@ -267,7 +267,7 @@ def read_meta(loc: Location) -> dict:
         raise StoreError(f"{loc.url} is not a cache store (it is a file, or its zarr.json is not JSON).",
                          hint="Point --store at a directory made by `cachegraft encode`.") from None
     meta = root.get("attributes", {}).get("cachegraft") if isinstance(root, dict) else None
-    if not meta and _half_created(loc):
+    if not meta and half_created(loc):
         raise StoreNotFoundError(f"the creation of the store at {loc.url} was interrupted before it finished.",
                                  hint=f"Run `cachegraft encode CORPUS --store {loc.url}` to create it again.")
     if not meta:
@@ -288,12 +288,12 @@ def _store_exists(loc: Location) -> bool:
     if segments.load_manifest(loc)["segments"]:
         raise StoreError(f"{loc.url} holds segments but its zarr.json does not describe a cache store.",
                          hint="Restore zarr.json from a backup, or use another --store.")
-    if not _half_created(loc):
+    if not half_created(loc):
         raise StoreError(f"{loc.url} is a zarr group but not a cache store.", hint="Use another --store.")
     return False
 
 
-def _half_created(loc: Location) -> bool:
+def half_created(loc: Location) -> bool:
     """Only what a store creation killed before its root metadata leaves behind (made again on create)."""
     from cachegraft_cli.store.layout import LOCK, MANIFEST, SEGMENTS
 
