@@ -1,18 +1,23 @@
 """The retrieval index of a store: where it lives, building it, opening it.
 
-The index is kept in `<store>/index/` and records the fingerprint of the
-passage set it covers; an index that does not match the store is refused.
+The index is kept in `<store>/index/` (replaced atomically: `indexdir`) and
+records the segments it covers. An index of an older state of the store (the
+store has grown since) is used for what it covers, and `coverage_note` says
+how much that is; an index of another passage set is refused.
 """
 
 from __future__ import annotations
 
 import time
 
-from cachegraft_cli.errors import IndexMissingError, NoPassagesError
+from cachegraft_cli.errors import IndexMissingError, NoPassagesError, RetrievalIndexError
 
 
 def index_path(store_url: str) -> str:
-    return f"{str(store_url).rstrip('/')}/index"
+    """The directory of the store's current index (what `load_index` reads)."""
+    from cachegraft_cli.indexdir import current
+
+    return current(store_url)
 
 
 def store_docs(store, segments: list[str] | None = None):
@@ -52,13 +57,14 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
         index = build_index(store_docs(store), kind, embedder)
         added, mode = len(index), "built"
     index.source = {"segments": names}
-    index.save(index_path(store_url))
+    from cachegraft_cli.indexdir import publish
+
+    publish(store_url, index.save)
     return {"store": store_url, "kind": index.kind, "embedder": index.embedder, "passages": len(index),
             "added": added, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _existing(store_url: str, kind: str, embedder: str | None):
-    from cachegraft_cli.errors import RetrievalIndexError
     from cachegraft_cli.retrieval import load_index
 
     try:
@@ -72,10 +78,35 @@ def _existing(store_url: str, kind: str, embedder: str | None):
 
 
 def open_index(store, store_url: str, kind: str | None = None, embedder: str | None = None):
-    """The store's index, checked against the store's passages."""
+    """The store's index, checked against the store's passages: it must cover the store,
+    or an older state of it (every indexed passage still stored with the same content)."""
     from cachegraft_cli.retrieval import load_index
 
-    index = load_index(index_path(store_url), embedder=embedder, store=store_url)
-    if (index.source or {}).get("segments") != segment_names(store):  # same segments: same passages
-        index.check(store_fingerprint(store), len(store), store_url)
+    path = index_path(store_url)
+    try:
+        index = load_index(path, embedder=embedder, store=store_url)
+    except RetrievalIndexError:
+        if index_path(store_url) == path:
+            raise
+        index = load_index(index_path(store_url), embedder=embedder, store=store_url)  # replaced while we read it
+    covered = (index.source or {}).get("segments")
+    names = segment_names(store)
+    if covered != names and not (covered is not None and covered == names[:len(covered)]):
+        _check_subset(index, store, store_url)  # same segments, or a prefix of them: same or fewer passages
     return index.view(kind) if kind and kind != index.kind else index
+
+
+def _check_subset(index, store, store_url: str) -> None:
+    hashes = store.content_hashes()
+    if len(index.ids) <= len(hashes) and all(hashes.get(pid) == h for pid, h in zip(index.ids, index.hashes)):
+        return
+    index.check(store_fingerprint(store), len(store), store_url)  # raises: another passage set
+
+
+def coverage_note(store, index, store_url: str) -> str | None:
+    """A warning when the index covers fewer passages than the store holds (an append since)."""
+    missing = len(store) - len(index)
+    if missing <= 0:
+        return None
+    return (f"the index of {store_url} covers {len(index):,} of its {len(store):,} passages; answers come from those only "
+            f"(run `cachegraft index --store {store_url}` to add the other {missing:,}).")

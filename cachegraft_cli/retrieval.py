@@ -86,7 +86,7 @@ def _doc_text(doc: DocLike) -> str:
 
 def _store_of(path: str) -> str:
     """The store directory for hints: the parent of an `index` folder."""
-    trimmed = path.rstrip("/")
+    trimmed = re.sub(r"/v-[0-9A-Za-z-]+$", "", path.rstrip("/"))  # a version directory (indexdir)
     return trimmed.rsplit("/", 1)[0] if trimmed.endswith("/index") else trimmed
 
 
@@ -177,7 +177,7 @@ class _Bm25:
         vocab = json.loads(_read(fs, f"{root}/bm25_vocab.json"))
         names = meta.get("bm25_blocks")
         if names is None:
-            arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")))
+            arrays = np.load(_io(_read(fs, f"{root}/bm25.npz")), allow_pickle=False)
             tokens, offsets = arrays["tokens"], arrays["offsets"]
             docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
             blocks = [build_block(docs, 0, len(vocab))]
@@ -492,7 +492,7 @@ def _is_local(fs) -> bool:
 
 
 def _load_dense(fs, root: str, meta: dict, embedder: str | None) -> _Dense:
-    matrix = np.load(_io(_read(fs, f"{root}/dense.npy")))
+    matrix = np.load(_io(_read(fs, f"{root}/dense.npy")), allow_pickle=False)
     return _Dense(embedder or meta["embedder"], matrix)
 
 
