@@ -202,7 +202,7 @@ def encode_corpus(
         if planned:
             planned(todo)
         with writing(store_url, "write the store"):
-            _write(source, store, session, options, summary, progress, lock)
+            _write(_todo(source, store, session.template, options), store, session, options, summary, progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)
     summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
     return summary
@@ -251,9 +251,39 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
-def _write(passages, store, session: ModelSession, options: EncodeOptions, summary, progress, lock) -> None:
+def reencode_rows(store_url: str, rows: list, session: ModelSession, options: EncodeOptions, lock) -> EncodeSummary:
+    """Encode stored rows again (passages `store repair` dropped), from their stored text, chunk by
+    chunk as they were split; the caller holds the store's lock. A row whose block the loaded
+    template does not reproduce (its content hash differs) is skipped and counted as bad."""
+    from cachegraft_cli.storage import writing
+
+    store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
+    summary = EncodeSummary(store=store_url)
+    chunks = []
+    for row in rows:
+        chunk = _chunk_of_row(row, session.template)
+        if chunk.content_hash != row.content_hash or row.id in store:
+            summary.skipped_bad += 1
+            summary.skipped_reasons[row.id] = "stored again already" if row.id in store else "template differs"
+            continue
+        chunks.append(chunk)
+    summary.passages_read = len(rows)
+    with writing(store_url, "write the store"):
+        _write(iter(chunks), store, session, options, summary, None, lock)
+    return summary
+
+
+def _chunk_of_row(row, template) -> Chunk:
+    meta = dict(row.metadata or {})
+    span = tuple(meta.pop("char_span")) if "char_span" in meta else None
+    passage = Passage(row.parent_id or row.id, row.title, row.text, meta)
+    return Chunk(passage, row.text, template.passage_ids(row.title, row.text), template.passage_block(row.title, row.text),
+                 row.chunk_index, span)  # type: ignore[arg-type]
+
+
+def _write(chunks, store, session: ModelSession, options: EncodeOptions, summary, progress, lock) -> None:
     """Encode in commit windows; each window is one segment, visible once committed."""
-    for window in _windows(_todo(passages, store, session.template, options), options.commit_every):
+    for window in _windows(chunks, options.commit_every):
         with store.writer({"tool": "cachegraft encode", "passages": len(window)}, lock=lock) as writer:
             for batch in _batches(window, options.batch_size):
                 _encode_batch(batch, writer, session, options, summary)

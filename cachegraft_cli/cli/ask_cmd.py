@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import sys
 from typing import Annotated, Optional
 
@@ -20,7 +19,9 @@ def ask(
         Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Batch mode: questions decoded together.")] = 8,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "-b", min=1, max=4096, help="Batch mode: questions decoded together.")
+    ] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit in tokens.")] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
@@ -40,19 +41,41 @@ def ask(
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
-    overrides = ModelChoice("", sharer, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    asker = Asker(store, overrides, index_kind)
+    # Everything is checked before any model loads: options, the questions file, the store.
     options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed))
     options.check()
+    _check_index_kind(index_kind)
+    if question is not None and not question.strip():
+        raise UsageError("The question is empty.", 'Pass a question, e.g. cachegraft ask "Who founded the town?".')
+    items = _read_questions(questions) if questions is not None else None
+    overrides = ModelChoice("", sharer, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code).check()
+    asker = Asker(store, overrides, index_kind)
     asker.check_system(system)
     _note_closed_fuser(asker, system)
     asker.warm(system)
-    if questions is not None:
-        _batch(asker, questions, options, batch_size)
+    _note_coverage(asker, system, store)
+    if items is not None:
+        _batch(asker, items, options, batch_size)
         return
     stream = sys.stdout.isatty() and not json_out
     result = asker.ask(question, options, on_text=_echo if stream else None)
     _print(result, json_out, stream, show_passages)
+
+
+def _check_index_kind(kind: str | None) -> None:
+    from cachegraft_cli.errors import UsageError
+
+    if kind is not None and kind not in ("bm25", "dense", "hybrid"):
+        raise UsageError(f"unknown --index-kind {kind!r}.",
+                         "Use bm25 or dense (to search one half of a hybrid index), or leave it out.")
+
+
+def _note_coverage(asker, system: str, store: str) -> None:
+    from cachegraft_cli.indexing import coverage_note
+
+    note = coverage_note(asker.store, asker.index, store) if system != "closed" else None
+    if note:
+        log(f"warning: {note}")
 
 
 def _note_closed_fuser(asker, system: str) -> None:
@@ -76,12 +99,11 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(asker, source: str, options, batch_size: int) -> None:
+def _batch(asker, items: list[tuple], options, batch_size: int) -> None:
     """One JSON line out per question in, models loaded once, decoded in batches.
     A question with no retrieved passage gets an error line; the exit code says so."""
     from cachegraft_cli.errors import NoPassagesError
 
-    items = _read_questions(source)
     failed = 0
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
@@ -107,26 +129,6 @@ def _one(asker, question: str, options) -> dict:
 
 
 def _read_questions(source: str) -> list[tuple]:
-    from cachegraft_cli.errors import UsageError
+    from cachegraft_cli.questions import read_questions
 
-    stream = sys.stdin if source == "-" else _open(source)
-    items = []
-    for n, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            items.append((item.get("id", n), item["question"]))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise UsageError(f"{source}:{n}: expected a JSON object with a \"question\" field.",
-                             'Each line must look like {"id": "q1", "question": "..."}.') from None
-    return items
-
-
-def _open(path: str):
-    from cachegraft_cli.errors import UsageError
-
-    try:
-        return open(path, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"Cannot read questions file {path}: {exc.strerror}.", "Check the path.") from None
+    return read_questions(source)

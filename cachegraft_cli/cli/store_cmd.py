@@ -1,4 +1,4 @@
-"""`cachegraft store info|verify|unlock DIR`: inspect and check a cache store."""
+"""`cachegraft store info|verify|repair|unlock DIR`: inspect, check and repair a cache store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from cachegraft_cli.cli.options import JsonOpt
 
-store_app = typer.Typer(name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True)
+store_app = typer.Typer(name="store", help="Inspect, verify, repair or unlock a cache store.", no_args_is_help=True)
 
 DirArg = Annotated[str, typer.Argument(help="Store directory or fsspec URL (e.g. s3://bucket/store).", metavar="DIR")]
 
@@ -74,28 +74,80 @@ def info(store: DirArg, json: JsonOpt = False) -> None:
 
 
 @store_app.command("verify")
-def verify(store: DirArg, json: JsonOpt = False) -> None:
-    """Check that every chunk decodes and every passage matches its checksums."""
+def verify(
+    store: DirArg,
+    fix: Annotated[bool, typer.Option("--fix", help="Repair what is found (as `cachegraft store repair`).")] = False,
+    reencode: Annotated[bool, typer.Option("--reencode", help="With --fix: encode dropped passages again.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Check that every chunk decodes, every passage matches its checksums and the index serves the store."""
     from cachegraft_cli.cli.output import emit_json, log
-    from cachegraft_cli.errors import StoreCorruptError
-    from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.errors import StoreCorruptError, UsageError
+    from cachegraft_cli.maintenance import verify_store
 
-    cache_store = CacheStore.open(store)
-    report = cache_store.verify(progress=_progress())
-    if json:
+    if reencode and not fix:
+        raise UsageError("--reencode only goes with --fix.", f"Run `cachegraft store verify {store} --fix --reencode`.")
+    try:
+        report = verify_store(store, progress=_progress())
+    except StoreCorruptError:  # e.g. a lost manifest: the store does not open, repair rebuilds it
+        if not fix:
+            raise
+        _repair(store, reencode, json)
+        return
+    if json and not fix:
         emit_json(report)
-    else:
+    elif not json:
         log(f"checked {report['rows']:,} rows, {report['tokens']:,} tokens in {report['segments']} segments")
         for p in report["problems"]:
-            log(f"  segment {p['segment']}, passage {p['passage']!r}, {p['kind']}/{p['part']}: {p['problem']}")
+            log(f"  {_where(p)}: {p['problem']}")
+    if not report["ok"] and fix:
+        _repair(store, reencode, json)
+        return
     if not report["ok"]:
         first = report["problems"][0]
         raise StoreCorruptError(
-            f"{len(report['problems'])} problem(s) in {report['url']}; first: passage {first['passage']!r} "
-            f"in segment {first['segment']}: {first['problem']}.",
-            hint="Re-encode the named passages into a new store (or restore the damaged segment from a backup).")
+            f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: {first['problem'].rstrip('.')}.",
+            hint=f"Run `cachegraft store repair {store}` to drop the damaged passages (--reencode encodes them again).")
     if not json:
         typer.echo("ok")
+
+
+def _where(p: dict) -> str:
+    if p.get("segment") is None:
+        return "index"
+    if p.get("passage") is None:
+        return f"segment {p['segment']}"
+    return f"segment {p['segment']}, passage {p['passage']!r}" + (f", {p['kind']}/{p['part']}" if p.get("kind") else "")
+
+
+@store_app.command("repair")
+def repair(
+    store: DirArg,
+    reencode: Annotated[bool, typer.Option("--reencode", help="Encode dropped passages again (loads the store's models).")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Rebuild a lost manifest from commit records, drop damaged passages (or encode them again), fix the index."""
+    _repair(store, reencode, json)
+
+
+def _repair(store: str, reencode: bool, json_out: bool) -> None:
+    from cachegraft_cli.cli.output import emit_json, log
+    from cachegraft_cli.errors import StoreCorruptError
+    from cachegraft_cli.maintenance import repair_store
+
+    result = repair_store(store, reencode)
+    if json_out:
+        emit_json(result)
+    else:
+        for line in result["lines"]:
+            log(line)
+    if not result["ok"]:
+        first = result["problems_left"][0]
+        raise StoreCorruptError(f"{len(result['problems_left'])} problem(s) are left in {store} after repair; first: "
+                                f"{_where(first)}: {first['problem'].rstrip('.')}.",
+                                hint="Restore the store from a backup, or encode the corpus into a new --store.")
+    if not json_out:
+        typer.echo("repaired" if result["lines"] else "ok (nothing to repair)")
 
 
 def _progress():
@@ -121,8 +173,8 @@ def unlock(
     """Remove a stale writer lock left by a dead writer (refused while the writer lives)."""
     from cachegraft_cli.store.lock import unlock as do_unlock
     from cachegraft_cli.store.location import Location
-    from cachegraft_cli.store.store import _read_meta
+    from cachegraft_cli.store.store import read_meta
 
     loc = Location.from_url(store)
-    _read_meta(loc)  # a missing store fails with its usual hint
+    read_meta(loc)  # a missing store fails with its usual hint
     typer.echo(do_unlock(loc, force=force))

@@ -17,7 +17,9 @@ def unreadable_passages(store, ids: list[str], kind: str, cause: BaseException) 
     unique = list(dict.fromkeys(ids))
     bad = [pid for pid in unique if _fails_alone(store, pid, kind)] if len(unique) > 1 else unique
     named = bad or unique
-    return corrupt_error(store, named, kind, f"a chunk does not decode ({type(cause).__name__}: {cause})")
+    text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    why = "a chunk fails its crc32c" if "checksum" in text.lower() else f"a chunk does not decode: {text[:100].rstrip('.')}"
+    return corrupt_error(store, named, kind, why)
 
 
 def corrupt_error(store, ids: list[str], kind: str, why: str) -> StoreCorruptError:

@@ -133,9 +133,15 @@ def _salvage(arr, comp, lo, hi, table, spans, kind, damaged) -> np.ndarray:
             out[a - lo: b - lo] = arr[a:b]
         except Exception as exc:  # noqa: BLE001
             tokens = (a * comp.stride, b * comp.stride)
-            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: {exc}",
-                  damaged, "chunk")
+            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode "
+                  f"({_short(exc)})", damaged, "chunk")
     return out
+
+
+def _short(exc: BaseException) -> str:
+    """zarr's message for a bad chunk, without the raw checksum bytes."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return "its crc32c does not match" if "checksum" in text.lower() else text[:100].rstrip(".")
 
 
 def _mark(table, spans, kind, comp, tokens, text, damaged, code) -> None:

@@ -1,0 +1,117 @@
+"""`cachegraft store verify` and `store repair` over a whole store: caches, tables, index.
+
+The store's own checks and repairs are in `store/verify.py` and `store/repair.py`;
+this adds what needs more than the store: the retrieval index kept with it, and
+encoding dropped passages again with the models the store was made with.
+"""
+
+from __future__ import annotations
+
+from cachegraft_cli.errors import CacheGraftError
+
+
+def verify_store(url: str, progress=None) -> dict:
+    """The store's verify report plus a check of its retrieval index, when it has one."""
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(url)
+    report = store.verify(progress)
+    problem = index_problem(store, url)
+    if problem:
+        report["problems"].append({"segment": None, "passage": None, "row": None, "kind": None, "part": None,
+                                   "problem": problem, "code": "index"})
+        report["ok"] = False
+    return report
+
+
+def index_problem(store, url: str) -> str | None:
+    """Why the index does not serve the store (None when there is no index, or it does)."""
+    from cachegraft_cli.errors import IndexMissingError
+    from cachegraft_cli.indexdir import root
+    from cachegraft_cli.indexing import open_index
+
+    if not store.loc.exists("index"):
+        return None
+    try:
+        open_index(store, url)
+    except IndexMissingError:
+        return f"the retrieval index in {root(url)} is incomplete (no index.json)"
+    except CacheGraftError as exc:
+        return f"the retrieval index does not serve this store: {exc.message}"
+    except Exception as exc:  # noqa: BLE001 - any failure to open the index is what verify reports
+        return f"the retrieval index does not open: {type(exc).__name__}: {exc}"
+    return None
+
+
+def repair_store(url: str, reencode: bool = False) -> dict:
+    """Repair the store (see `store.repair`), encode dropped passages again on request,
+    and rebuild its retrieval index when it no longer serves the store."""
+    from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store.lock import lock_store
+    from cachegraft_cli.store.repair import describe, repair
+
+    with lock_store(url, {"tool": "cachegraft store repair"}) as lock:
+        report = repair(url, lock=lock)
+        result = {**report.as_dict(), "lines": describe(report), "reencoded": [], "not_reencoded": {}}
+        if reencode and report.dropped_rows:
+            summary = _reencode(url, report.dropped_rows, lock)
+            result["reencoded"] = [r.id for r in report.dropped_rows if r.id not in summary.skipped_reasons]
+            result["not_reencoded"] = dict(summary.skipped_reasons)
+            result["lines"] += [f"encoded passage {pid!r} again" for pid in result["reencoded"]]
+            after = CacheStore.open(url).verify()
+            result["ok"], result["problems_left"] = after["ok"], after["problems"]
+        if reencode and report.dropped and not report.dropped_rows:
+            result["lines"].append("the dropped passages' text is unreadable: encode them again from the corpus")
+    result["index"] = _rebuild_index(url)
+    if result["index"]:
+        result["lines"].append(result["index"])
+    return result
+
+
+def _reencode(url: str, rows: list, lock):
+    from cachegraft_cli.encode import EncodeOptions, reencode_rows
+    from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(url)
+    ident = store.identity
+    choice = ModelChoice(receiver=ident["receiver"]["name"], sharer=(ident.get("sharer") or {}).get("name"),
+                         fuser=(ident.get("fuser") or {}).get("name") or "closed", dtype=ident["dtype"],
+                         instruction=ident["template"]["instruction"])
+    options = EncodeOptions(codec=ident["codec"], also_own_cache="own" in store.kinds)
+    return reencode_rows(url, rows, ModelSession(choice.check()), options, lock)
+
+
+def _rebuild_index(url: str) -> str | None:
+    """Rebuild the index when it no longer serves the store (repair dropped passages it holds)."""
+    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(url)
+    problem = index_problem(store, url)
+    if problem is None:
+        return None
+    if not len(store):
+        return "the store is empty now: no index was built"
+    kind, embedder = _index_kind(url)
+    try:
+        summary = build_store_index(url, kind, embedder, rebuild=True)
+    except CacheGraftError as exc:
+        return f"the retrieval index needs a rebuild ({exc.message}): run `cachegraft index --store {url} --rebuild`"
+    return f"rebuilt the {summary['kind']} index over {summary['passages']} passages"
+
+
+def _index_kind(url: str) -> tuple[str, str | None]:
+    """The kind and embedder of the index there was, when its metadata still reads."""
+    import json
+
+    from fsspec.core import url_to_fs
+
+    from cachegraft_cli.indexing import index_path
+
+    try:
+        fs, path = url_to_fs(index_path(url))
+        meta = json.loads(fs.cat_file(f"{path.rstrip('/')}/index.json"))
+        return meta.get("kind", "bm25"), meta.get("embedder")
+    except Exception:  # noqa: BLE001 - an unreadable index is rebuilt as the default kind
+        return "bm25", None
