@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from contextlib import contextmanager
@@ -9,6 +10,7 @@ from contextlib import contextmanager
 from cachegraft_cli.errors import CacheGraftError
 
 _DEBUG = {"on": False}
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def set_debug(on: bool) -> None:
@@ -40,6 +42,10 @@ def report(exc: BaseException) -> int:
         return 13
     if isinstance(exc, BrokenPipeError):
         return 0  # downstream closed the pipe (e.g. `| head`): not an error
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:  # disk full, read-only: the machine, not a bug
+        from cachegraft_cli.storage import write_error
+
+        return report(write_error(exc, exc.filename or "?", "write"))
     _say(f"error: unexpected {type(exc).__name__}: {exc}")
     _say("  hint: this is a bug in cachegraft; rerun with --debug for the traceback and report it.")
     return 70

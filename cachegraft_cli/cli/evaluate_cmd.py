@@ -42,7 +42,10 @@ def evaluate(
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
     from cachegraft_cli.session import ModelChoice
 
-    choice = ModelChoice.resolve(preset, receiver, sharer, fuser)
+    from cachegraft_cli.fuser import check_fuser_spec
+
+    choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
+    check_fuser_spec(adapter_fuser)
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
     acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cachegraft_cli.errors import UsageError
+from cachegraft_cli.errors import NoPassagesError, UsageError
 
 
 @dataclass
@@ -124,7 +124,10 @@ class StoreAnswerer:
         out = []
         for q in questions:
             before = asker.store.stats_bytes_read
-            result = asker.ask(q.question, options)
+            try:
+                result = asker.ask(q.question, options)
+            except NoPassagesError as exc:  # scored as a miss (empty answer, nothing retrieved); the run goes on
+                result = {"answer": "", "passages": [], "timings": {}, "error": exc.message}
             result["stats"] = {"bytes_read": asker.store.stats_bytes_read - before}
             out.append(result)
         return out

@@ -116,14 +116,30 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     corpus_path = options.pop("corpus", None)
     articles = _count_option("articles", options.pop("articles", None), text)
     limit = _count_option("limit", options.pop("limit", None), text)
+    if name:
+        _check_name(name, text)
     if body.startswith("hf:"):
         spec = _hf_spec(name, body[3:], options, corpus_path)
     elif options:
         raise UsageError(f"Column mapping is only for hf: datasets: {text!r}.")
     else:
         kind = "jsonl" if body.endswith(".jsonl") else "squad"
-        spec = DatasetSpec(name or Path(body).stem, body, kind, corpus_path=corpus_path)
+        spec = DatasetSpec(name or _safe_name(Path(body).stem), body, kind, corpus_path=corpus_path)
     return dataclasses.replace(spec, articles=articles, limit=limit)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _check_name(name: str, text: str) -> None:
+    """A benchmark name names files and stores (`<stores>/<name>-...`): a plain name, never a path."""
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise UsageError(f"Bad benchmark name {name!r} in {text!r}: names are letters, digits and . _ + - only.",
+                         "Write -B NAME=FILE with a plain NAME, e.g. -B squad=dev.json.")
+
+
+def _safe_name(stem: str) -> str:
+    return stem if _NAME.fullmatch(stem) and ".." not in stem else slugify(stem)
 
 
 def _count_option(key: str, value: str | None, text: str) -> int | None:
@@ -169,8 +185,13 @@ def _read_json(path: str):
             return json.load(fh)
     except FileNotFoundError:
         raise DatasetError(f"Dataset file not found: {path}.", _MISSING_HINT) from None
+    except IsADirectoryError:
+        raise DatasetError(f"Dataset {path} is a directory, not a file.", _MISSING_HINT) from None
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path} is not valid JSON: {exc}.") from None
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path} is not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}).",
+                           "Re-save the file as UTF-8.") from None
 
 
 def read_squad(path: str) -> tuple[list[QAExample], list[CorpusPassage]]:
@@ -178,24 +199,41 @@ def read_squad(path: str) -> tuple[list[QAExample], list[CorpusPassage]]:
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise DatasetError(f"{path} is not SQuAD format (no top-level 'data' list).")
     questions, passages, slugs = [], [], Counter()
-    for article in data["data"]:
+    for a, article in enumerate(data["data"]):
+        if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
+            raise DatasetError(f"{path}: data[{a}] is not an article with a \"paragraphs\" list.", _SQUAD_HINT)
         raw_title = str(article.get("title", ""))
         slugs[slugify(raw_title)] += 1
         title = raw_title.replace("_", " ")  # display title, as the corpus reader gives it
         for index, paragraph in enumerate(article.get("paragraphs", [])):
+            if not isinstance(paragraph, dict) or not isinstance(paragraph.get("context"), str) \
+                    or not isinstance(paragraph.get("qas", []), list):
+                raise DatasetError(f"{path}: data[{a}].paragraphs[{index}] needs a \"context\" string and a "
+                                   f"\"qas\" list.", _SQUAD_HINT)
             pid = squad_passage_id(raw_title, index, slugs[slugify(raw_title)])
             passages.append(CorpusPassage(pid, title, paragraph["context"].strip()))
-            questions += [_squad_question(qa, pid, title) for qa in paragraph.get("qas", [])]
+            questions += [_squad_question(qa, pid, title, path) for qa in paragraph.get("qas", [])]
     return questions, passages
 
 
-def _squad_question(qa: dict, pid: str, title: str) -> QAExample:
-    answers = [a["text"] for a in qa.get("answers", [])]
-    return QAExample(str(qa["id"]), qa["question"], answers, [pid], title)
+def _squad_question(qa, pid: str, title: str, path: str) -> QAExample:
+    where = f"{path}: question {qa.get('id')!r}" if isinstance(qa, dict) else f"{path}: paragraph {pid!r}"
+    if not isinstance(qa, dict) or not isinstance(qa.get("question"), str) or "id" not in qa:
+        raise DatasetError(f"{where}: each entry of \"qas\" needs an \"id\" and a \"question\" string.",
+                           _SQUAD_HINT)
+    answers = qa.get("answers", [])
+    if not isinstance(answers, list) or not all(isinstance(a, dict) and isinstance(a.get("text"), str) for a in answers):
+        raise DatasetError(f"{where}: \"answers\" must be a list of {{\"text\": ...}} objects, "
+                           f"not a {type(answers).__name__}.", _SQUAD_HINT)
+    return QAExample(str(qa["id"]), qa["question"], [a["text"] for a in answers], [pid], title)
+
+
+_SQUAD_HINT = 'SQuAD questions look like {"id": "q1", "question": "...", "answers": [{"text": "..."}]}.'
 
 
 def _read_jsonl(path: str) -> list[dict]:
     rows = []
+    line_no = 0
     try:
         with open(path, encoding="utf-8") as fh:
             for line_no, line in enumerate(fh, 1):
@@ -203,6 +241,10 @@ def _read_jsonl(path: str) -> list[dict]:
                     rows.append(_json_line(line, path, line_no))
     except FileNotFoundError:
         raise DatasetError(f"Dataset file not found: {path}.", _MISSING_HINT) from None
+    except IsADirectoryError:
+        raise DatasetError(f"Dataset {path} is a directory, not a file.", _MISSING_HINT) from None
+    except UnicodeDecodeError:
+        raise DatasetError(f"{path}:{line_no + 1}: not UTF-8.", "Re-save the file as UTF-8.") from None
     return rows
 
 
@@ -216,13 +258,16 @@ def _json_line(line: str, path: str, line_no: int) -> dict:
     return row
 
 
-def _as_answers(value) -> list[str]:
+def _as_answers(value, where: str = "") -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict) and "text" in value:
-        return _as_answers(value["text"])
+        return _as_answers(value["text"], where)
+    if not isinstance(value, list) or any(isinstance(a, dict) and not isinstance(a.get("text"), str) for a in value):
+        raise DatasetError(f"{where}: 'answers' must be a string, a list of strings or of {{\"text\": ...}} objects, "
+                           f"not {json.dumps(value)[:60]}.")
     return [a["text"] if isinstance(a, dict) else str(a) for a in value]
 
 
@@ -232,6 +277,8 @@ def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], lis
     for n, row in enumerate(rows):
         if not row.get("question") or row.get("answers") is None:
             raise DatasetError(f"{where}: row {n + 1} lacks 'question' or 'answers'.")
+        if not isinstance(row["question"], str):
+            raise DatasetError(f"{where}: row {n + 1}: 'question' must be a string, not {json.dumps(row['question'])[:40]}.")
         title = str(row.get("title") or "")
         gold = [str(g) for g in (row.get("gold_ids") or [])]
         context = row.get("context")
@@ -242,7 +289,7 @@ def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], lis
                 passages.append(CorpusPassage(pid, title, context))
             gold = gold or [pid]
         qid = str(row.get("id", n))
-        questions.append(QAExample(qid, str(row["question"]), _as_answers(row["answers"]), gold, title))
+        questions.append(QAExample(qid, str(row["question"]), _as_answers(row["answers"], f"{where}: row {n + 1}"), gold, title))
     return questions, passages
 
 

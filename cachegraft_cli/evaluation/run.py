@@ -286,9 +286,9 @@ def run_evaluation(config: RunConfig, answerer: Answerer, judge_loader: JudgeLoa
                    progress: bool = True) -> dict:
     """Run (or resume) an evaluation into config.out; returns the summary."""
     validate(config)
-    run_dir = prepare_run_dir(config)
     benchmarks = [load_benchmark(spec, config.limit, config.seed, config.corpus, config.articles)
-                  for spec in config.specs()]
+                  for spec in config.specs()]  # every input is read and checked before the run directory is made
+    run_dir = prepare_run_dir(config)
     files = [RecordFile(run_dir / name, key) for name, key in
              (("answers.jsonl", ANSWER_KEY), ("verdicts.jsonl", VERDICT_KEY), ("pairwise.jsonl", PAIR_KEY))]
     answers, verdicts, pairs = files

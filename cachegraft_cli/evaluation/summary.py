@@ -42,7 +42,8 @@ def _group(records: Sequence[dict], fields: Sequence[str]) -> dict[tuple, list[d
 
 def _numeric_means(rows: list[dict], field: str) -> dict:
     keys = sorted({k for r in rows for k, v in (r.get(field) or {}).items() if isinstance(v, (int, float))})
-    return {k: mean((r.get(field) or {}).get(k) for r in rows) for k in keys}
+    # over the rows that have the figure (a question that retrieved nothing has no timings)
+    return {k: mean(v for r in rows if isinstance(v := (r.get(field) or {}).get(k), (int, float))) for k in keys}
 
 
 def system_scores(answers: list[dict], config: dict) -> list[dict]:
