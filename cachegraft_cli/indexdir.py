@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 
 from cachegraft_cli.errors import RetrievalIndexError, StoreLockedError
+from cachegraft_cli.store.layout import is_temp
 
 CURRENT = "CURRENT"
 LOCK = "lock"
@@ -98,7 +99,7 @@ def _seed(fs, source: str | None, target: str) -> None:
     if source is None or not _is_local(fs):
         return  # elsewhere the engine writes every file of the new version itself
     for name in os.listdir(source):
-        if name in (CURRENT, LOCK) or _VERSION.fullmatch(name) or ".tmp-" in name:
+        if name in (CURRENT, LOCK) or _VERSION.fullmatch(name) or is_temp(name):
             continue
         _link_tree(os.path.join(source, name), os.path.join(target, name))
 
@@ -107,7 +108,7 @@ def _link_tree(src: str, dst: str) -> None:
     if os.path.isdir(src):
         os.makedirs(dst, exist_ok=True)
         for name in os.listdir(src):
-            if ".tmp-" not in name:
+            if not is_temp(name):
                 _link_tree(os.path.join(src, name), os.path.join(dst, name))
         return
     try:

@@ -24,3 +24,29 @@ def tiny_models(tiny_dirs):
     from cachegraft_cli.models import load_causal_lm
 
     return {role: load_causal_lm(str(path), device="cpu", dtype="float32") for role, path in tiny_dirs.items()}
+
+
+# Counts the reliability tests add up (faults.record): printed as a table at the end of the run.
+TALLY: dict = {}
+
+_TALLY_ROWS = [
+    ("kill trials run (SIGKILL delivered)", "kills"),
+    ("faults injected (kills, ENOSPC, EROFS, damage)", "faults"),
+    ("passages lost", "lost"),
+    ("passages duplicated", "duplicated"),
+    ("bad inputs tried", "bad_inputs"),
+    ("tracebacks", "tracebacks"),
+    ("slowest bad-input failure (s, before any model load)", "max_bad_input_seconds"),
+]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not TALLY:
+        return
+    terminalreporter.write_sep("-", "reliability")
+    for label, key in _TALLY_ROWS:
+        value = TALLY.get(key, 0)
+        terminalreporter.write_line(f"{label:55} {value:.3f}" if isinstance(value, float) else f"{label:55} {value}")
+    extra = {k: v for k, v in TALLY.items() if k not in {key for _, key in _TALLY_ROWS}}
+    for key, value in sorted(extra.items()):
+        terminalreporter.write_line(f"  {key:53} {value}")

@@ -45,5 +45,6 @@ _register()
 
 
 def main() -> None:
-    with handled():
-        app()
+    with handled():  # usage errors too come out as one `error:` line (cli/errors.py)
+        result = app(standalone_mode=False)
+        raise SystemExit(result if isinstance(result, int) else 0)

@@ -25,6 +25,15 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _click_exceptions():
+    """typer's own copy of click (typer >= 0.22 vendors it), else click."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions  # type: ignore[no-redef]
+    return exceptions
+
+
 def report(exc: BaseException) -> int:
     """Print `exc` for a user and return the exit code it maps to."""
     if debug_enabled():
@@ -34,7 +43,19 @@ def report(exc: BaseException) -> int:
         if exc.hint:
             _say(f"  hint: {exc.hint}")
         return exc.exit_code
-    if isinstance(exc, KeyboardInterrupt):
+    clicks = _click_exceptions()
+    if isinstance(exc, getattr(clicks, "NoArgsIsHelpError", ())):
+        exc.show()  # the command's help
+        return exc.exit_code
+    if isinstance(exc, clicks.UsageError):  # a bad or missing option or argument
+        command = exc.ctx.command_path if exc.ctx is not None else "cachegraft"
+        _say(f"error: {exc.format_message()}")
+        _say(f"  hint: Run `{command} --help` to see the options.")
+        return exc.exit_code
+    if isinstance(exc, clicks.ClickException):
+        _say(f"error: {exc.format_message()}")
+        return exc.exit_code
+    if isinstance(exc, (KeyboardInterrupt, clicks.Abort)):
         _say("interrupted")
         return 130
     if isinstance(exc, MemoryError):

@@ -92,6 +92,11 @@ def zarr_compressors(spec: dict, dtype: str) -> list:
     raise ValueError(f"unknown compressor {spec!r}")
 
 
+def is_temp(name: str) -> bool:
+    """A file left by a write that did not finish: ours (`*.tmp-*`) or zarr's (`*.partial`)."""
+    return ".tmp-" in name or name.endswith(".partial")
+
+
 def rows_file(format_version: int) -> str:
     """The row-table file of a store's segments: format 1 wrote JSON, later formats numpy."""
     return ROWS if format_version < 2 else ROWS_BIN

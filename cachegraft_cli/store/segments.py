@@ -6,7 +6,7 @@ import json
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
-from cachegraft_cli.store.layout import COMMIT, CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.layout import COMMIT, CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, is_temp, now_iso, segment_dir, segment_file, zarr_compressors
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
 
@@ -74,7 +74,7 @@ def collect_garbage(loc: Location) -> list[str]:
     for name in removed:
         loc.remove(segment_dir(name))
     for name in loc.list_names(""):
-        if ".tmp-" in name:
+        if is_temp(name):
             loc.remove(name)
     return removed
 

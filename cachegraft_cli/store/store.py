@@ -13,8 +13,8 @@ from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
-    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, now_iso,
-    rows_file,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, is_temp,
+    now_iso, rows_file,
 )
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
@@ -297,7 +297,7 @@ def half_created(loc: Location) -> bool:
     """Only what a store creation killed before its root metadata leaves behind (made again on create)."""
     from cachegraft_cli.store.layout import LOCK, MANIFEST, SEGMENTS
 
-    names = {n for n in loc.list_names("") if ".tmp-" not in n}
+    names = {n for n in loc.list_names("") if not is_temp(n)}
     return names <= {ROOT_META, PREFIX, MANIFEST, LOCK, SEGMENTS} and not loc.list_names(SEGMENTS)
 
 
@@ -342,7 +342,7 @@ def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
     if loc.local:
         os.makedirs(loc.root, exist_ok=True)
     for name in loc.list_names(""):  # temp files of a creation that was killed
-        if ".tmp-" in name:
+        if is_temp(name):
             loc.remove(name)
     zstore = loc.zarr_store(read_only=False)
     arr = zarr.create_array(store=zstore, name=PREFIX, shape=prefix.shape, dtype="float32",
