@@ -34,6 +34,12 @@ def _click_exceptions():
     return exceptions
 
 
+def _abort() -> type:
+    import typer
+
+    return typer.Abort
+
+
 def report(exc: BaseException) -> int:
     """Print `exc` for a user and return the exit code it maps to."""
     if debug_enabled():
@@ -55,7 +61,7 @@ def report(exc: BaseException) -> int:
     if isinstance(exc, clicks.ClickException):
         _say(f"error: {exc.format_message()}")
         return exc.exit_code
-    if isinstance(exc, (KeyboardInterrupt, clicks.Abort)):
+    if isinstance(exc, (KeyboardInterrupt, _abort())):
         _say("interrupted")
         return 130
     if isinstance(exc, MemoryError):

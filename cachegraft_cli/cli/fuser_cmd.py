@@ -17,8 +17,9 @@ def info(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a fuser's pair, layer map, projector shape and gate states."""
-    from cachegraft_cli.fuser import load_fuser
+    from cachegraft_cli.fuser import check_fuser_spec, load_fuser
 
+    check_fuser_spec(spec)
     summary = _summary(spec, load_fuser(spec))
     if json_out:
         emit_json(summary)
