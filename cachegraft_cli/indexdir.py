@@ -96,8 +96,8 @@ def _current_dir(fs, base: str) -> str | None:
 def _seed(fs, source: str | None, target: str) -> None:
     """The current version's files in `target`: unchanged blocks need not be written again."""
     fs.makedirs(target, exist_ok=True)
-    if source is None or not _is_local(fs):
-        return  # elsewhere the engine writes every file of the new version itself
+    if source is None or not _is_local(fs) or not os.path.isdir(source):
+        return  # elsewhere (or when the current version is lost) the engine writes every file itself
     for name in os.listdir(source):
         if name in (CURRENT, LOCK) or _VERSION.fullmatch(name) or is_temp(name):
             continue
