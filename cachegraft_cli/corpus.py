@@ -287,6 +287,14 @@ class _LineDecoder:
 
 
 def _csv_records(reader: CorpusReader) -> Iterator[Any]:
+    try:
+        yield from _csv_rows(reader)
+    except csv.Error as err:  # quoting the csv module cannot parse: the rest of the file cannot be trusted
+        raise CorpusError(f"{reader.source}: unreadable CSV ({err}).",
+                          "Quote fields holding line breaks or quotes; the file must parse as a whole.") from None
+
+
+def _csv_rows(reader: CorpusReader) -> Iterator[Any]:
     csv.field_size_limit(2**31 - 1)
     with open(reader.source, "rb") as stream:
         lines = _LineDecoder(stream)

@@ -63,6 +63,9 @@ def build_model(path: Path, shape: str, vocab_size: int, seed: int = 0):
         "sharer_same": lambda: Qwen3Config(
             hidden_size=96, intermediate_size=160, num_hidden_layers=6, num_attention_heads=6,
             num_key_value_heads=3, head_dim=32, rope_theta=1000000.0, **common),
+        "micro": lambda: Qwen2Config(  # for tests that stream very many passages: 16 cache values per token
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, rope_theta=10000.0, **common),
         "sharer_other": lambda: LlamaConfig(
             hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=1, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, **common),
@@ -83,6 +86,14 @@ def _scale_up(model) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(6.0)
+
+
+def build_micro(root: Path) -> Path:
+    """A one-layer receiver (with tokenizer a) for streaming tests."""
+    tok = build_tokenizer(root / "tok_micro", "a")
+    build_model(root / "micro", "micro", len(tok), 4)
+    tok.save_pretrained(root / "micro")
+    return root / "micro"
 
 
 def build_all(root: Path) -> dict[str, Path]:
