@@ -5,18 +5,19 @@ is written (the files under the workspace are unchanged). Or, with --skip-bad, i
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from faults import record
 
 from cachegraft_cli.cli.app import main
-from faults import record
 
 SQUAD_OK = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820.",
                                                          "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}]}]}]}
@@ -209,9 +210,7 @@ def _snapshot(root: Path) -> dict:
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model, fuser or embedder load fails the test: every check must come first."""
-    import cachegraft_cli.fuser as fuser
-    import cachegraft_cli.models as models
-    import cachegraft_cli.retrieval as retrieval
+    from cachegraft_cli import fuser, models, retrieval
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
@@ -229,7 +228,7 @@ def test_bad_input_fails_cleanly_before_models_load(case, workspace, no_model_lo
     w = workspace["w"]
     before = _snapshot(w)
     monkeypatch.setattr(sys, "argv", ["cachegraft", *_args(case, workspace)])
-    monkeypatch.setattr(sys, "stdin", open(w / "good.jsonl"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO((w / "good.jsonl").read_text()))
     capsys.readouterr()
     start = time.perf_counter()
     with pytest.raises(SystemExit) as info:

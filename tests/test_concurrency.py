@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import Cli, Faults, record
 
 from cachegraft_cli.cli.app import main
 from cachegraft_cli.store import CacheStore
-from faults import Cli, Faults, record
 
 HOLDER = r"""
 import sys, time
@@ -51,7 +51,7 @@ def holder(tmp_path):
 
 def test_second_writer_is_refused_at_once_in_one_line_naming_the_holder(holder, tiny_dirs, tmp_path, capsys,
                                                                         monkeypatch):
-    import cachegraft_cli.models as models
+    from cachegraft_cli import models
 
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("models loaded before the lock"))
     corpus = _corpus(tmp_path / "c.jsonl", range(3))

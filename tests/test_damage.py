@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import record
 
 from cachegraft_cli.cli.app import main
 from cachegraft_cli.store import CacheStore
-from faults import record
 
 WORDS = ["amber", "basalt", "cobalt", "dusk", "ember", "frost", "granite", "harbor", "indigo", "jade", "kelp", "lumen"]
 
@@ -50,7 +50,8 @@ def pristine(tiny_dirs, tmp_path_factory):
     build_store_index(str(store))
     opened = CacheStore.open(str(store))
     assert len(opened.segments) == 3
-    return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids())))}
+    return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids()))), "corpus": corpus,
+            "receiver": str(tiny_dirs["receiver"])}
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def test_damaged_chunk_is_named_isolated_and_repaired(how, store, pristine, caps
     assert {p["passage"] for p in report["problems"]} == hit and {p["segment"] for p in report["problems"]} == {segment}
     if how == "delete":
         assert all("shard file c/0 is missing" in p["problem"] for p in report["problems"])
-    target = sorted(hit)[0]
+    target = min(hit)
     code, _, err = run(capsys, monkeypatch, "ask", _query(target), "--store", store, "-k", 1, "--max-new-tokens", 2)
     assert code == 7 and repr(target) in err and segment in err and "store repair" in err
     other = "p0"  # in the first segment, untouched
@@ -125,6 +126,14 @@ def test_damaged_chunk_is_named_isolated_and_repaired(how, store, pristine, caps
         assert np.array_equal(got, pristine["caches"][pid])  # what was kept is untouched
     code, out, err = run(capsys, monkeypatch, "ask", _query(other), "--store", store, "-k", 1, "--max-new-tokens", 2)
     assert code == 0, err  # the index was rebuilt for what is left
+    if how == "flip":  # encoding the corpus again now adds the dropped passages back, bit-identically
+        code, out, err = run(capsys, monkeypatch, "encode", pristine["corpus"], "--store", store, "--receiver",
+                             pristine["receiver"], "--dtype", "float32", "--json")
+        assert code == 0 and json.loads(out)["added"] == len(hit), err
+        again = CacheStore.open(str(store))
+        assert sorted(again.ids()) == sorted(pristine["caches"])
+        for pid, got in zip(again.ids(), again.read(again.ids())):
+            assert np.array_equal(got, pristine["caches"][pid])
     record(faults=1, lost=0, duplicated=0)
 
 
@@ -137,9 +146,9 @@ def test_verify_fix_reencode_restores_damaged_passages_bit_identically(store, pr
     assert sorted(fixed.ids()) == sorted(pristine["caches"]) and fixed.verify()["ok"]
     for pid, got in zip(fixed.ids(), fixed.read(fixed.ids())):
         assert np.array_equal(got, pristine["caches"][pid])
-    code, out, err = run(capsys, monkeypatch, "ask", _query(sorted(hit)[0]), "--store", store, "-k", 1,
+    code, out, err = run(capsys, monkeypatch, "ask", _query(min(hit)), "--store", store, "-k", 1,
                          "--max-new-tokens", 2, "--json")
-    assert code == 0 and json.loads(out)["passages"][0]["id"] == sorted(hit)[0], err
+    assert code == 0 and json.loads(out)["passages"][0]["id"] == min(hit), err
     record(faults=1, lost=0, duplicated=0)
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import Cli, Faults, record
 
 from cachegraft_cli.store import CacheStore
-from faults import Cli, Faults, record
 
 PASSAGES = 120
 COMMIT_EVERY = 8

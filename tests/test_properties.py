@@ -9,12 +9,12 @@ import json
 
 import numpy as np
 import pytest
+from faults import record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachegraft_cli.corpus import read_corpus
 from cachegraft_cli.errors import CorpusError, DatasetError, UsageError
-from faults import record
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import Cli, Faults, record
 
 from cachegraft_cli.store import CacheStore
-from faults import Cli, Faults, record
 
 TESTS = Path(__file__).parent
 
@@ -145,7 +145,7 @@ def tmpfs(tmp_path):
     """A 1 MiB tmpfs, where this machine lets us mount one (root with the mount capability)."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
     yield mount
@@ -222,14 +222,16 @@ def _peak_rss_kb(tmp_path: Path, receiver: Path, n: int) -> tuple[int, float]:
 
 def test_memory_stays_bounded_encoding_a_streamed_100k_passage_input(tmp_path):
     """Peak RSS with 100k passages on stdin minus peak RSS with 5k: what grows with the input.
-    Holding the corpus (or its chunks) in lists costs well over 1 KB a passage; streaming keeps
-    only ids and hashes (sets and dicts, ~200-300 B a passage)."""
+    Streaming keeps only ids, hashes and row positions (~450 B a passage measured); the corpus
+    held as a list of passages and their chunks, as encode did before, adds ~1.1 KB a passage more
+    (337 B of passages + 786 B of chunks, tracemalloc, this input)."""
     from tiny import build_micro
 
     receiver = build_micro(tmp_path / "micro")
     small, _ = _peak_rss_kb(tmp_path, receiver, 5_000)
     big, seconds = _peak_rss_kb(tmp_path, receiver, 100_000)
+    record(memory_seconds_100k=round(seconds))
     grown = (big - small) * 1024 / 95_000
-    assert grown < 600, f"{grown:.0f} bytes a passage more: the input is held in memory"
+    assert grown < 900, f"{grown:.0f} bytes a passage more: the input is held in memory"
     record(memory_bytes_per_passage=round(grown), memory_peak_mb_100k=round(big / 1024))
     assert CacheStore.open(str(tmp_path / "store-100000")).verify()["ok"]

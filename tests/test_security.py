@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import record
 
 from cachegraft_cli.cli.app import main
-from faults import record
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachegraft_cli"
 
@@ -172,10 +172,11 @@ def test_the_package_never_unpickles():
 
 
 def test_credentials_are_never_shown(tmp_path):
+    from test_store_support import fill, identity, prefix
+
     from cachegraft_cli.errors import CacheGraftError
     from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.location import Location, redact
-    from test_store_support import fill, identity, prefix
 
     secret = "SECRET-KEY-5c1f"
     options = {"key": secret, "secret": secret}

@@ -45,7 +45,7 @@ def recover(store) -> dict:
     adopted = []
     for name in orphans(store):
         entry, table = _read_committed(store.loc, name, store.rows_file)
-        if entry is None or any(pid in store for pid in table.ids):
+        if entry is None or table is None or any(pid in store for pid in table.ids):
             continue  # unreadable, or overlapping what is stored: left for `repair` to judge
         segments.append_to_manifest(store.loc, entry)
         store.refresh()
@@ -172,21 +172,20 @@ def _drop_damaged(store, report: RepairReport) -> None:
     found = store.verify()
     drop: dict[str, dict[int, str]] = {}
     for p in found["problems"]:
-        rows = _rows_of(store, p)
-        for row in rows:
+        for row in _rows_of(store, p):
             drop.setdefault(p["segment"], {}).setdefault(row, p["problem"])
     if not drop:
         return
     tables = {t.segment: t for t in store.tables}
-    replacements = {}
-    for seg, rows in drop.items():
+    replacements: dict[str, dict | None] = {}
+    for seg, reasons in drop.items():
         table = tables[seg]
         kept = _content_rows(store, table)
-        for row, reason in sorted(rows.items()):
+        for row, reason in sorted(reasons.items()):
             report.dropped.append({"passage": table.ids[row], "segment": seg, "reason": reason})
             if kept is not None and not reason.startswith("duplicate id"):  # a shadowed row is not lost
                 report.dropped_rows.append(kept[row])
-        replacements[seg] = _rewrite_without(store, table, set(rows), kept)
+        replacements[seg] = _rewrite_without(store, table, set(reasons), kept)
     _replace_entries(store.loc, replacements)
     for seg in replacements:
         _delete_segment(store.loc, seg)
