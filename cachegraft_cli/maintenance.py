@@ -54,10 +54,15 @@ def repair_store(url: str, reencode: bool = False) -> dict:
         report = repair(url, lock=lock)
         result = {**report.as_dict(), "lines": describe(report), "reencoded": [], "not_reencoded": {}}
         if reencode and report.dropped_rows:
-            summary = _reencode(url, report.dropped_rows, lock)
-            result["reencoded"] = [r.id for r in report.dropped_rows if r.id not in summary.skipped_reasons]
-            result["not_reencoded"] = dict(summary.skipped_reasons)
-            result["lines"] += [f"encoded passage {pid!r} again" for pid in result["reencoded"]]
+            try:
+                summary = _reencode(url, report.dropped_rows, lock)
+            except CacheGraftError as exc:  # the repair stands; say why the passages could not be encoded
+                result["not_reencoded"] = {r.id: exc.message for r in report.dropped_rows}
+                result["lines"].append(f"could not encode the dropped passages again: {exc.message}")
+            else:
+                result["reencoded"] = [r.id for r in report.dropped_rows if r.id not in summary.skipped_reasons]
+                result["not_reencoded"] = dict(summary.skipped_reasons)
+                result["lines"] += [f"encoded passage {pid!r} again" for pid in result["reencoded"]]
             after = CacheStore.open(url).verify()
             result["ok"], result["problems_left"] = after["ok"], after["problems"]
         if reencode and report.dropped and not report.dropped_rows:

@@ -178,3 +178,6 @@ def unlock(
     loc = Location.from_url(store)
     read_meta(loc)  # a missing store fails with its usual hint
     typer.echo(do_unlock(loc, force=force))
+    index_lock = "index/lock"
+    if loc.exists(index_lock) and not loc.local:  # a killed `cachegraft index` on an object store
+        typer.echo(f"index: {do_unlock(loc, force=force, name=index_lock)}")

@@ -132,14 +132,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def is_held(loc: Location) -> bool:
+def is_held(loc: Location, name: str = LOCK) -> bool:
     """Whether a writer holds the lock now (for local stores, asks the OS)."""
     if not (loc.local and _has_flock()):
-        return loc.exists(LOCK)
+        return loc.exists(name)
     import fcntl
 
     try:  # read-only: a reader of a read-only store must not need write access to ask this
-        fh = open(loc.path(LOCK), "rb")  # noqa: SIM115 - closed by the `with` below
+        fh = open(loc.path(name), "rb")  # noqa: SIM115 - closed by the `with` below
     except OSError:
         return False  # no lock file (nobody ever wrote here), or unreadable
     with fh:
@@ -165,11 +165,12 @@ def lock_store(url, run_info: dict | None = None, storage_options: dict | None =
     return WriterLock(loc, run_info).acquire()
 
 
-def unlock(loc: Location, force: bool = False) -> str:
-    """Remove a stale lock. Refuses while the holder is alive on this host."""
-    if not is_held(loc):
+def unlock(loc: Location, force: bool = False, name: str = LOCK) -> str:
+    """Remove a stale lock (`name`: the writer's, or the index builder's). Refuses while the
+    holder is alive on this host."""
+    if not is_held(loc, name):
         return "not locked"
-    holder = read_holder(loc) or {}
+    holder = read_holder(loc, name) or {}
     here = holder.get("host") == socket.gethostname()
     if loc.local and _has_flock():
         raise _locked_error(loc, holder)  # an OS lock is only ever held by a live process
@@ -180,5 +181,5 @@ def unlock(loc: Location, force: bool = False) -> str:
             f"store {loc.url} is locked by pid {holder.get('pid')} on another host ({holder.get('host')}).",
             hint="Liveness cannot be checked from here; if that writer is surely gone, rerun with --force.",
         )
-    loc.remove(LOCK)
+    loc.remove(name)
     return f"removed lock of pid {holder.get('pid')} on {holder.get('host')}"

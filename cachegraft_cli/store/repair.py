@@ -55,8 +55,7 @@ def recover(store) -> dict:
 
 def orphans(store) -> list[str]:
     """Committed segments the manifest does not list, oldest first."""
-    listed = {e["name"] for e in store.segments}
-    return [n for n in segments.committed_segments(store.loc) if n not in listed]
+    return segments.committed_segments(store.loc, skip={e["name"] for e in store.segments})
 
 
 def _read_committed(loc: Location, name: str, rows_file: str) -> tuple[dict | None, SegmentTable | None]:

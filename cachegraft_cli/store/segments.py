@@ -45,10 +45,11 @@ def _well_formed(manifest) -> bool:
         and isinstance(e.get("tokens"), int) for e in entries)
 
 
-def committed_segments(loc: Location) -> list[str]:
-    """Segments on disk with a commit record (complete), listed or not."""
+def committed_segments(loc: Location, skip: set[str] | frozenset = frozenset()) -> list[str]:
+    """Segments on disk with a commit record (complete), except those in `skip` (not even asked
+    about: one request per segment counts on object stores)."""
     return [name for name in loc.list_names(SEGMENTS)
-            if name != "zarr.json" and loc.exists(segment_file(name, COMMIT))]
+            if name != "zarr.json" and name not in skip and loc.exists(segment_file(name, COMMIT))]
 
 
 def append_to_manifest(loc: Location, entry: dict) -> dict:
