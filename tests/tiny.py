@@ -88,9 +88,14 @@ def _scale_up(model) -> None:
                 p.mul_(6.0)
 
 
-def build_micro(root: Path) -> Path:
-    """A one-layer receiver (with tokenizer a) for streaming tests."""
-    tok = build_tokenizer(root / "tok_micro", "a")
+def build_micro(root: Path, tokenizer_from: Path | None = None) -> Path:
+    """A one-layer receiver (tokenizer a, trained here or taken from `tokenizer_from`) for streaming tests."""
+    if tokenizer_from is None:
+        tok = build_tokenizer(root / "tok_micro", "a")
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_from)
     build_model(root / "micro", "micro", len(tok), 4)
     tok.save_pretrained(root / "micro")
     return root / "micro"
