@@ -8,6 +8,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# OpenMP threads that spin while they wait make tiny models 5-10x slower on a shared 2-core machine;
+# read once when torch loads, so it is set before any test imports torch (and for forked children).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

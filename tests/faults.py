@@ -41,6 +41,7 @@ _CTX = None
 def _context():
     global _CTX
     if _CTX is None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the server imports torch (conftest)
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
     return _CTX

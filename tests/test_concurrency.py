@@ -64,7 +64,7 @@ def test_second_writer_is_refused_at_once_in_one_line_naming_the_holder(holder, 
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["writer.lock"]  # nothing else written
     code, _, err = run(capsys, monkeypatch, "store", "repair", tmp_path / "store")
     assert code == 6 and f"pid {holder.pid}" in err  # repair is a writer too
-    record(faults=1)
+    record(faults=1, concurrency=1)
 
 
 def test_a_killed_writer_leaves_a_lock_the_next_writer_takes_over(tiny_dirs, tmp_path, capsys, monkeypatch):
@@ -80,9 +80,9 @@ def test_a_killed_writer_leaves_a_lock_the_next_writer_takes_over(tiny_dirs, tmp
     code, out, err = run(capsys, monkeypatch, *args, "--json")
     assert code == 0, err
     store_now = CacheStore.open(str(store))
-    assert len(store_now) == 60 and store_now.verify()["ok"]
-    assert sum(len(t) for t in store_now.tables) == 60
-    record(kills=1, faults=1, lost=0, duplicated=0)
+    rows = sum(len(t) for t in store_now.tables)
+    record(kills=1, faults=1, lost=60 - len(store_now), duplicated=rows - len(store_now))
+    assert len(store_now) == 60 and store_now.verify()["ok"] and rows == 60
 
 
 def test_a_writer_plans_against_the_manifest_it_reads_after_the_lock(tiny_dirs, tmp_path):
@@ -109,8 +109,8 @@ def test_a_writer_plans_against_the_manifest_it_reads_after_the_lock(tiny_dirs, 
     with stale.writer({"test": "late writer"}):  # a writer brings its snapshot up to date under the lock
         assert len(stale) == 12
     fresh = CacheStore.open(url)
+    record(faults=1, concurrency=1, duplicated=sum(len(t) for t in fresh.tables) - len(fresh))
     assert len(fresh) == 12 and sum(len(t) for t in fresh.tables) == 12 and fresh.verify()["ok"]
-    record(faults=1, duplicated=0)
 
 
 def test_readers_see_the_last_committed_state_during_an_append(tiny_dirs, tmp_path, capsys, monkeypatch):
@@ -137,4 +137,4 @@ def test_readers_see_the_last_committed_state_during_an_append(tiny_dirs, tmp_pa
     for pid, got in zip(reader.ids(), reader.read(reader.ids())):
         assert np.array_equal(got, before[pid])
     assert len(CacheStore.open(str(store))) == 200
-    record(faults=1)
+    record(faults=1, concurrency=1)

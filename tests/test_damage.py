@@ -134,7 +134,7 @@ def test_damaged_chunk_is_named_isolated_and_repaired(how, store, pristine, caps
         assert sorted(again.ids()) == sorted(pristine["caches"])
         for pid, got in zip(again.ids(), again.read(again.ids())):
             assert np.array_equal(got, pristine["caches"][pid])
-    record(faults=1, lost=0, duplicated=0)
+    record(faults=1, damage=1)
 
 
 def test_verify_fix_reencode_restores_damaged_passages_bit_identically(store, pristine, capsys, monkeypatch):
@@ -149,7 +149,7 @@ def test_verify_fix_reencode_restores_damaged_passages_bit_identically(store, pr
     code, out, err = run(capsys, monkeypatch, "ask", _query(min(hit)), "--store", store, "-k", 1,
                          "--max-new-tokens", 2, "--json")
     assert code == 0 and json.loads(out)["passages"][0]["id"] == min(hit), err
-    record(faults=1, lost=0, duplicated=0)
+    record(faults=1, damage=1)
 
 
 @pytest.mark.parametrize("how", ["corrupt", "delete"])
@@ -174,7 +174,7 @@ def test_manifest_damage_is_refused_and_rebuilt_from_commit_records(how, store, 
     assert sorted(again.ids()) == sorted(pristine["caches"]) and again.verify()["ok"]
     code, _, err = run(capsys, monkeypatch, "ask", _query("p0"), "--store", store, "--max-new-tokens", 2)
     assert code == 0, err
-    record(faults=1, lost=0, duplicated=0)
+    record(faults=1, damage=1)
 
 
 @pytest.mark.parametrize("how", ["delete", "corrupt"])
@@ -195,7 +195,7 @@ def test_index_damage_is_reported_and_rebuilt(how, store, capsys, monkeypatch):
     code, out, err = run(capsys, monkeypatch, "ask", _query("p3"), "--store", store, "-k", 1, "--json",
                          "--max-new-tokens", 2)
     assert code == 0 and json.loads(out)["passages"][0]["id"] == "p3", err
-    record(faults=1)
+    record(faults=1, damage=1)
 
 
 def test_duplicate_ids_are_found_and_the_shadowed_rows_dropped(store, capsys, monkeypatch):
@@ -213,7 +213,7 @@ def test_duplicate_ids_are_found_and_the_shadowed_rows_dropped(store, capsys, mo
     assert code == 0 and json.loads(out)["ok"], err
     fixed = CacheStore.open(str(store))
     assert sum(len(t) for t in fixed.tables) == len(fixed.ids()) == 12
-    record(faults=1, duplicated=0)
+    record(faults=1, damage=1)
 
 
 def test_read_of_a_damaged_chunk_raises_a_typed_error_naming_it(store):

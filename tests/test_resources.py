@@ -79,8 +79,9 @@ def test_full_disk_during_encode_leaves_a_consistent_store_that_resumes(clean_ru
     assert _consistent(elsewhere, caches) == 40
     code, run = cli.run(*_args(clean_run["corpus"], store, tiny_dirs["receiver"]))  # ... or once space is freed
     assert code == 0, run.stderr
+    held, rows = len(CacheStore.open(str(store))), sum(len(t) for t in CacheStore.open(str(store)).tables)
+    record(faults=1, enospc=1, lost=40 - held, duplicated=rows - held)
     assert _consistent(store, caches) == 40
-    record(faults=1, lost=0, duplicated=0)
 
 
 @pytest.mark.parametrize("budget", [0, 3000])
@@ -94,7 +95,7 @@ def test_full_disk_during_store_creation(clean_run, tiny_dirs, tmp_path, budget)
     code, run = cli.run(*_args(clean_run["corpus"], store, tiny_dirs["receiver"]))
     assert code == 0, run.stderr
     assert _consistent(store, clean_run["caches"]) == 40
-    record(faults=1, lost=0)
+    record(faults=1, enospc=1)
 
 
 def test_full_disk_during_index_rebuild_keeps_the_working_index(clean_run, tmp_path, capsys, monkeypatch):
@@ -113,7 +114,7 @@ def test_full_disk_during_index_rebuild_keeps_the_working_index(clean_run, tmp_p
         after = open_index(CacheStore.open(str(store)), str(store))
         assert [h.id for h in after.search("harbor light 7", 5)] == before
         assert len([p for p in (store / "index").iterdir() if p.name.startswith("v-")]) == 1  # staging removed
-    record(faults=2)
+    record(faults=2, enospc=2)
 
 
 def test_read_only_store_reads_and_refuses_writes_cleanly(clean_run, tmp_path):
@@ -134,7 +135,7 @@ def test_read_only_store_reads_and_refuses_writes_cleanly(clean_run, tmp_path):
     _one_error_line(run.stderr, "is not writable")
     code, run = cli.run("encode", _corpus(tmp_path / "more.jsonl", 3), "--store", store, "--receiver", "x", faults=ro)
     assert code != 70 and "Traceback" not in run.stderr, run.stderr
-    record(faults=5)
+    record(faults=5, erofs=5)
 
 
 # ---------------------------------------------------------------- a real small filesystem
@@ -166,13 +167,15 @@ def test_a_real_full_tmpfs_during_encode(clean_run, tiny_dirs, tmpfs, tmp_path):
     code, run = cli.run(*_args(big, moved, tiny_dirs["receiver"]))
     assert code == 0, run.stderr
     final = CacheStore.open(str(moved))
-    assert len(final) == 200 and final.verify()["ok"] and sum(len(t) for t in final.tables) == 200
+    rows = sum(len(t) for t in final.tables)
+    record(lost=200 - len(final), duplicated=rows - len(final))
+    assert len(final) == 200 and final.verify()["ok"] and rows == 200
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)  # and now read-only, for real
     code, run = cli.run("store", "info", store, "--json")
     assert code == 0, run.stderr
     code, run = cli.run(*_args(big, store, tiny_dirs["receiver"]))
     assert code == 14 and "not writable" in run.stderr, run.stderr
-    record(faults=2, lost=0, duplicated=0)
+    record(faults=2, enospc=1, erofs=1)
 
 
 # ---------------------------------------------------------------- memory

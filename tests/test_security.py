@@ -70,7 +70,7 @@ def test_a_crafted_pickle_in_a_fuser_is_refused_and_nothing_runs(fuser_dir, tmp_
     code, _, err = run(capsys, monkeypatch, "fuser", "info", fuser_dir)
     assert code == 4 and "projector_0.pt" in err
     assert not marker.exists()  # nothing ran
-    record(faults=1)
+    record(faults=1, security=1)
 
 
 def _remote_code_model(tiny_dirs, root: Path, marker: Path) -> Path:
@@ -105,7 +105,7 @@ def test_remote_code_runs_only_with_the_flag(tiny_dirs, tmp_path, capsys, monkey
     with pytest.raises(Exception):  # noqa: B017 - with the flag its code runs (and then fails: it is no model)
         load_causal_lm(str(path), device="cpu", dtype="float32", trust_remote_code=True)
     assert marker.read_text() == "ran"
-    record(faults=1)
+    record(faults=1, security=1)
 
 
 def test_passage_ids_never_become_paths(tiny_dirs, tmp_path):
