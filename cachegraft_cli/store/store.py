@@ -351,6 +351,3 @@ def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
     if not loc.exists(MANIFEST):
         loc.write_json_atomic(MANIFEST, segments.empty_manifest())
     loc.write_json_atomic(ROOT_META, {"zarr_format": 3, "node_type": "group", "attributes": {"cachegraft": meta}})
-
-
-_read_meta = read_meta  # older name
