@@ -18,14 +18,13 @@ The corpus is never held in memory as a whole: it is read once per step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Callable, Iterable
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
-
 
 MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
 

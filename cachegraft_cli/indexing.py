@@ -39,14 +39,11 @@ def store_fingerprint(store) -> str:
 def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
     """Build the index, or bring an existing one of the same kind up to date
     (only passages added since are tokenised / embedded)."""
-    from cachegraft_cli.retrieval import build_index
+    from cachegraft_cli.errors import UsageError
+    from cachegraft_cli.retrieval import KINDS, build_index
     from cachegraft_cli.store import CacheStore
 
-    from cachegraft_cli.retrieval import KINDS
-
     if kind not in KINDS:  # before the store's text is read
-        from cachegraft_cli.errors import UsageError
-
         raise UsageError(f"unknown index kind {kind!r}.", f"Use one of: {', '.join(KINDS)}.")
     t0 = time.perf_counter()
     store = CacheStore.open(store_url)

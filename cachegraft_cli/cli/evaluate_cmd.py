@@ -40,9 +40,8 @@ def evaluate(
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
-    from cachegraft_cli.session import ModelChoice
-
     from cachegraft_cli.fuser import check_fuser_spec
+    from cachegraft_cli.session import ModelChoice
 
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
     check_fuser_spec(adapter_fuser)
