@@ -50,7 +50,8 @@ def report(exc: BaseException) -> int:
             _say(f"  hint: {exc.hint}")
         return exc.exit_code
     clicks = _click_exceptions()
-    if isinstance(exc, getattr(clicks, "NoArgsIsHelpError", ())):
+    no_args = getattr(clicks, "NoArgsIsHelpError", None)
+    if no_args is not None and isinstance(exc, no_args):
         exc.show()  # the command's help
         return exc.exit_code
     if isinstance(exc, clicks.UsageError):  # a bad or missing option or argument
