@@ -214,9 +214,9 @@ def _eval_args(squad: Path, out: Path, stores: Path, receiver) -> list:
             "--json"]
 
 
-def _scores(summary: dict) -> list:
-    """What a run decides (timings differ between runs and are left out)."""
-    return [{k: v for k, v in s.items() if k not in ("timings",)} for s in summary["systems"]]
+def _scores(summary: dict) -> dict:
+    """Everything a run decides: the whole summary but the systems' timings (which differ run to run)."""
+    return {**summary, "systems": [{k: v for k, v in s.items() if k != "timings"} for s in summary["systems"]]}
 
 
 def test_evaluate_resumed_after_kills_gives_the_uninterrupted_summary(tiny_dirs, tmp_path):
