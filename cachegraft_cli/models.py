@@ -195,3 +195,11 @@ def _weights_header(file: Path) -> bytes:
             size = int.from_bytes(f.read(8), "little")
             return f.read(min(size, 1 << 24))
         return f.read(1 << 20) + str(file.stat().st_size).encode()
+
+
+def context_window(lm: LoadedModel) -> int | None:
+    """How many positions the model was built for (None when its config does not say)."""
+    config = lm.model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "max_position_embeddings", None)
+    return int(window) if window else None

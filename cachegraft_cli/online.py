@@ -13,7 +13,7 @@ import torch
 
 from cachegraft_cli import kvcache
 from cachegraft_cli.align import TokenAligner
-from cachegraft_cli.generation import Generation, GenerationConfig, generate
+from cachegraft_cli.generation import Generation, GenerationConfig, Prompt, generate
 from cachegraft_cli.models import LoadedModel
 
 Section = tuple[list[int], bool]  # (receiver token ids, fused?)
@@ -42,7 +42,7 @@ def online_generate(
 ) -> Generation:
     """Generate after the sections; the last section (the question) is receiver-only."""
     past, position = online_prefill(receiver, sharer, fuser, sections)
-    return generate(receiver, past, sections[-1][0], position, config)
+    return generate(receiver, Prompt.plain(past, sections[-1][0], position), config)
 
 
 @torch.inference_mode()

@@ -6,7 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, JsonOpt, SharerOpt, StoreOpt, TopKOpt, TrustOpt
+from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.cli.options import (
+    BlendLayerOpt, BlendOpt, DeviceOpt, DtypeOpt, JsonOpt, OrderOpt, RecomputeOpt, SchemeOpt, SharerOpt, StoreOpt, TopKOpt,
+    TrustOpt,
+)
 from cachegraft_cli.cli.output import emit_json, log
 
 
@@ -15,7 +19,11 @@ def ask(
     store: StoreOpt = ...,
     k: TopKOpt = 3,
     system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
-    scheme: Annotated[str, typer.Option(help="Position scheme for stored caches: rotate or shared.")] = "rotate",
+    scheme: SchemeOpt = "rotate",
+    order: OrderOpt = DEFAULT_ORDER,
+    recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
+    blend: BlendOpt = 0.0,
+    blend_layer: BlendLayerOpt = 1,
     questions: Annotated[
         Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
     ] = None,
@@ -41,9 +49,10 @@ def ask(
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
     overrides = ModelChoice("", sharer, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed), order=order,
+                         recompute=recompute, blend=blend, blend_layer=blend_layer)
+    options.check()  # before the store opens and any model loads
     asker = Asker(store, overrides, index_kind)
-    options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed))
-    options.check()
     asker.check_system(system)
     _note_closed_fuser(asker, system)
     asker.warm(system)

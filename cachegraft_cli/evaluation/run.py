@@ -26,7 +26,8 @@ from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY,
 from cachegraft_cli.evaluation.report import render_report
 from cachegraft_cli.evaluation.summary import COMPARISON_PAIRS, summarize
 
-SYSTEMS = ("graft", "text", "cache", "closed", "sharer-text", "adapter")
+from cachegraft_cli.evaluation.variants import BASE_SYSTEMS as SYSTEMS, base_system, check_variant
+
 K_FREE_SYSTEMS = ("closed",)  # answered once (stored with k=0) and shared by every k
 
 
@@ -87,9 +88,11 @@ def _judge_entries(specs: Sequence[str]) -> list[dict]:
 
 def validate(config: RunConfig) -> None:
     problems = []
-    unknown = [s for s in config.systems if s not in SYSTEMS]
-    if unknown:
-        problems.append(f"unknown systems {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
+    for label in config.systems:
+        try:
+            check_variant(label)
+        except UsageError as exc:
+            problems.append(f"system {label!r}: {exc.message.rstrip('.')}")
     if not config.systems or len(set(config.systems)) != len(config.systems):
         problems.append("systems must be a non-empty list without repeats")
     if not config.ks or any(k < 1 for k in config.ks) or len(set(config.ks)) != len(config.ks):
@@ -152,7 +155,7 @@ def _batches(items: list, size: int):
 
 
 def answer_jobs(config: RunConfig) -> list[tuple[str, int]]:
-    return [(s, k) for s in config.systems for k in ([0] if s in K_FREE_SYSTEMS else config.ks)]
+    return [(s, k) for s in config.systems for k in ([0] if base_system(s) in K_FREE_SYSTEMS else config.ks)]
 
 
 def answer_record(bench: str, q: QAExample, system: str, k: int, result: dict) -> dict:
