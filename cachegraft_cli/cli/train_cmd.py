@@ -4,7 +4,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.cli.options import DeviceOpt, InstructionOpt, JsonOpt, PresetOpt, ReceiverOpt, SharerOpt, TrustOpt
+from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.cli.options import (
+    DeviceOpt, InstructionOpt, JsonOpt, OrderOpt, PresetOpt, ReceiverOpt, RecomputeOpt, SharerOpt, TrustOpt,
+)
 from cachegraft_cli.cli.output import emit_json, log
 
 
@@ -37,7 +40,12 @@ def train_fuser(
     max_val_items: Annotated[int, typer.Option(help="Cap the validation items.")] = 128,
     max_passage_tokens: Annotated[int, typer.Option(help="Skip longer passages.")] = 256,
     lm_target_tokens: Annotated[int, typer.Option(help="lm: continuation tokens scored.")] = 48,
-    passages_per_item: Annotated[int, typer.Option(min=1, help="qa: past = the answer's passage among N passages (others from the same split), assembled as `ask -k N` does.")] = 1,
+    passages_per_item: Annotated[str, typer.Option(help="qa: past = the answer's passage among K passages, K from this comma list in equal shares (e.g. 1,3,5), assembled as `ask -k K` does.")] = "1",
+    distractors: Annotated[str, typer.Option(help="qa: the other passages: retrieved (BM25's top K for the question, as ask) or random.")] = "retrieved",
+    order: OrderOpt = DEFAULT_ORDER,
+    recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
+    holdout: Annotated[Optional[list[str]], typer.Option("--holdout", help="An evaluate -B spec (name=FILE?articles=N&limit=Q) whose corpus is never trained on; repeatable.")] = None,
+    holdout_seed: Annotated[int, typer.Option(help="The evaluate --seed the --holdout specs are sampled with.")] = 0,
     val_every: Annotated[int, typer.Option(min=1, help="Validate every N steps.")] = 50,
     save_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps.")] = 50,
     patience: Annotated[Optional[int], typer.Option(help="Stop after N validations without improvement.")] = 4,
@@ -71,7 +79,8 @@ def train_fuser(
         batch_size=batch_size, epochs=epochs, max_steps=max_steps, max_minutes=max_minutes, warmup_steps=warmup_steps,
         grad_clip=grad_clip, normalize_inputs=normalize_inputs, val_fraction=val_fraction, max_passages=max_passages,
         max_val_passages=max_val_passages, max_val_items=max_val_items, max_passage_tokens=max_passage_tokens,
-        lm_target_tokens=lm_target_tokens, passages_per_item=passages_per_item, val_every=val_every, save_every=save_every, patience=patience,
+        lm_target_tokens=lm_target_tokens, passages_per_item=_mix(passages_per_item), distractors=distractors,
+        order=order, recompute=recompute, holdout=list(holdout or []), holdout_seed=holdout_seed, val_every=val_every, save_every=save_every, patience=patience,
         cache_dir=cache_dir, cache_dtype=cache_dtype, save_dtype=save_dtype, also_published=also_published,
         resume=resume, allow_eval_sets=allow_eval_sets, model_dtype=model_dtype, sharer_dtype=sharer_dtype, instruction=instruction,
         device=device, trust_remote_code=trust_remote_code,
@@ -101,3 +110,12 @@ def _print(out: str, s: dict) -> None:
         f"receiver's own cache {s['closed_val_nll'] if s['closed_val_nll'] is not None else float('nan'):.4f}; "
         f"gates open {g['open']}/{g['total']}; {s['parameters']:,} parameters, {s['weights_bytes']:,} bytes."
     )
+
+
+def _mix(text: str) -> list[int]:
+    from cachegraft_cli.errors import UsageError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--passages-per-item takes a comma list of integers, got {text!r}.", "Example: 1,3,5") from None

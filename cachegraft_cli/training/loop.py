@@ -17,7 +17,8 @@ from cachegraft_cli.training.log import Progress, RunLog, say
 
 STATE_DIR = "checkpoint"
 RESUME_KEYS = ("receiver", "sharer", "objective", "sharer_input", "data", "val_data", "seed", "hidden_dim",
-               "intermediate_dim", "num_layers", "batch_size", "epochs", "max_steps", "lr", "gate_lr", "passages_per_item")
+               "intermediate_dim", "num_layers", "batch_size", "epochs", "max_steps", "lr", "gate_lr", "passages_per_item",
+               "distractors", "order", "recompute", "holdout", "holdout_seed")
 
 
 def epoch_batches(items, batch_size: int, seed: int, epoch: int) -> list[list]:
@@ -221,8 +222,11 @@ def prepare(config, progress: bool):
     from cachegraft_cli.training.data import read_files
 
     torch.manual_seed(config.seed)
-    dataset = read_files(config.data, config.allow_eval_sets)
+    dataset, held_out = setup.without_holdout(config, read_files(config.data, config.allow_eval_sets))
     val_dataset = read_files(config.val_data, config.allow_eval_sets) if config.val_data else None
+    if val_dataset is not None:
+        val_dataset, held_val = setup.without_holdout(config, val_dataset)
+        held_out += held_val
     if config.objective == "qa" and not dataset.questions:
         raise TrainingError("The qa objective needs questions, and the data has none.",
                             "Give SQuAD-format JSON files, or use --objective lm for plain text.")
@@ -230,8 +234,10 @@ def prepare(config, progress: bool):
     template = setup.template_for(config, receiver)
     ids, train_keys, val_keys = setup.select_passages(config, template, dataset, val_dataset)
     questions = dataset.questions + (val_dataset.questions if val_dataset else [])
-    train_items = setup.build_items(config, template, ids, train_keys, questions)
-    val_items = setup.cap_items(setup.build_items(config, template, ids, val_keys, questions), config.max_val_items, config.seed)
+    texts = {**dataset.passages, **(val_dataset.passages if val_dataset else {})}
+    train_items = setup.build_items(config, template, ids, train_keys, questions, texts)
+    val_items = setup.cap_items(setup.build_items(config, template, ids, val_keys, questions, texts),
+                                config.max_val_items, config.seed)
     planned = planned_steps(config, len(train_items))
     sgeo = setup.sharer_geometry(config, sharer)
     torch.manual_seed(config.seed)
@@ -244,6 +250,6 @@ def prepare(config, progress: bool):
         scales = bank.input_scales(train_keys[:32], fuser.spec.layer_map)
         fusermodel.add_input_scales(fuser, scales)
     info = {"train_passages": len(train_keys), "val_passages": len(val_keys), "train_items": len(train_items),
-            "val_items": len(val_items), "input_scales": scales}
+            "val_items": len(val_items), "held_out_passages": held_out, "input_scales": scales}
     return setup.Prepared(receiver, template, sgeo, train_items, val_items, train_keys, val_keys, bank, prefix,
                           seconds, info), fuser, planned
