@@ -101,6 +101,18 @@ def load_causal_lm(
     revision: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer in eval mode on the chosen device and dtype."""
+    from cachegraft_cli.progress import loading
+
+    with loading(f"loading {_short(spec)}"):
+        return _load_causal_lm(spec, device, dtype, trust_remote_code, revision)
+
+
+def _short(spec: str) -> str:
+    """A model spec as a status line shows it: a directory by its last part."""
+    return Path(spec).name if "/" in spec and Path(spec).expanduser().exists() else spec
+
+
+def _load_causal_lm(spec: str, device, dtype, trust_remote_code: bool, revision) -> LoadedModel:
     source, gguf, kind = resolve_source(spec)
     _quiet_transformers()
     device = pick_device(device)
@@ -115,6 +127,15 @@ def load_causal_lm(
 
     route_linears(model)  # large float32 CPU layers through oneDNN (see onednn.py)
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
+
+
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer of a model spec alone (no weights): enough to plan an encode."""
+    source, gguf, kind = resolve_source(spec)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    return _load(lambda: _auto_tokenizer(source, kwargs), spec, kind)
 
 
 def _quiet_transformers() -> None:
