@@ -1,6 +1,6 @@
 """Answer questions from a store: retrieve -> load caches -> assemble -> generate.
 
-Systems (DESIGN.md section 6), all with the same template and ids:
+Systems (docs/method.md section 3; names in `systems.py`), all with the same template and ids:
 - graft: the receiver with fused passage caches (no sharer is loaded);
 - adapter: the same, from a store encoded with an adapter fuser (trained with
   the sharer's input zeroed): isolates task adaptation from the sharer;
@@ -23,11 +23,12 @@ from typing import Callable
 
 from cachegraft_cli.errors import NoPassagesError, UsageError
 from cachegraft_cli.generation import GenerationConfig
+from cachegraft_cli.systems import CACHE_KIND, SYSTEMS, check_name, check_question
 
-SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
+__all__ = ["SYSTEMS", "AskOptions", "Asker"]
+
 SCHEMES = ("rotate", "shared")
 DEFAULT_SCHEME = "rotate"
-CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}
 
 
 @dataclass
@@ -38,8 +39,7 @@ class AskOptions:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def check(self) -> None:
-        if self.system not in SYSTEMS:
-            raise UsageError(f"Unknown system {self.system!r}.", f"Choose one of: {', '.join(SYSTEMS)}.")
+        check_name(self.system)
         if self.scheme not in SCHEMES:
             raise UsageError(f"Unknown position scheme {self.scheme!r}.", f"Choose one of: {', '.join(SCHEMES)}.")
 
@@ -97,21 +97,15 @@ class Asker:
             self._prefix, self._rotator
 
     def check_system(self, system: str) -> None:
-        """`graft` and `adapter` name what the store's fuser is; refuse the wrong one."""
-        fuser = self.store.identity.get("fuser") or {}
-        is_adapter = fuser.get("sharer_input") == "zero"
-        if system == "adapter" and not is_adapter:
-            raise UsageError(f"Store {self.store_url} was not encoded with an adapter fuser.",
-                             "Encode a store with --fuser <adapter dir> (train-fuser --sharer-input zero) for this system.")
-        if system == "graft" and is_adapter:
-            raise UsageError(f"Store {self.store_url} holds adapter caches (its fuser never saw the sharer).",
-                             "Ask it with --system adapter, or use a store encoded with a sharer-fed fuser.")
+        """Refuse a system this store cannot serve (`systems.check_system`)."""
+        from cachegraft_cli.systems import check_system
+
+        check_system(self.store, system)
 
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
         options.check()
         self.check_system(options.system)
-        if not question.strip():
-            raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
+        check_question(question)
         t0 = time.perf_counter()
         hits = self.retrieve(question, options.k) if options.system != "closed" else []
         t_retrieve = time.perf_counter()

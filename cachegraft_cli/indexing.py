@@ -79,3 +79,35 @@ def open_index(store, store_url: str, kind: str | None = None, embedder: str | N
     if (index.source or {}).get("segments") != segment_names(store):  # same segments: same passages
         index.check(store_fingerprint(store), len(store), store_url)
     return index.view(kind) if kind and kind != index.kind else index
+
+
+def index_info(store, store_url: str) -> dict | None:
+    """The store's index as `store info` shows it: kind, passages, bytes on disk, and whether it is
+    stale (built before the last encode: `cachegraft index` adds the rest); None when there is none."""
+    from fsspec.core import url_to_fs
+
+    from cachegraft_cli.errors import RetrievalIndexError
+    from cachegraft_cli.retrieval import load_index
+
+    try:
+        index = load_index(index_path(store_url), store=store_url)
+    except IndexMissingError:
+        return None
+    except RetrievalIndexError as exc:
+        return {"kind": None, "problem": exc.message, "stale": True}
+    fs, root = url_to_fs(index_path(store_url))
+    covered = (index.source or {}).get("segments")
+    if covered is not None and covered == segment_names(store):
+        stale = False
+    else:
+        stale = index.fingerprint != store_fingerprint(store)
+    return {"kind": index.kind, "embedder": index.embedder, "passages": len(index), "store_passages": len(store),
+            "bytes": int(fs.du(root)), "stale": stale}
+
+
+def store_report(store_url: str) -> dict:
+    """`CacheStore.info()` plus the retrieval index (`index_info`)."""
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(store_url)
+    return {**store.info(), "index": index_info(store, store_url)}

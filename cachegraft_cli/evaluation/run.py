@@ -25,9 +25,8 @@ from cachegraft_cli.evaluation.plots import write_plots
 from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY, RecordFile, read_records
 from cachegraft_cli.evaluation.report import render_report
 from cachegraft_cli.evaluation.summary import COMPARISON_PAIRS, summarize
+from cachegraft_cli.systems import K_FREE_SYSTEMS, SYSTEMS  # closed: answered once (k=0), shared by every k
 
-SYSTEMS = ("graft", "text", "cache", "closed", "sharer-text", "adapter")
-K_FREE_SYSTEMS = ("closed",)  # answered once (stored with k=0) and shared by every k
 
 
 class Answerer(Protocol):

@@ -74,6 +74,11 @@ class CacheStore:
         ident_mod.check(loc.url, meta["identity"], expect)
         return cls(loc, meta, segments.load_manifest(loc))
 
+    @staticmethod
+    def check_exists(url, storage_options: dict | None = None) -> dict:
+        """The store's metadata, read without opening its segments; StoreNotFoundError (with its hint) if none."""
+        return _read_meta(Location.from_url(url, storage_options))
+
     # -- passages ---------------------------------------------------------------
 
     def _adopt(self, entry: dict, table: SegmentTable) -> None:
