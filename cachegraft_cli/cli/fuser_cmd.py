@@ -8,7 +8,7 @@ import typer
 from cachegraft_cli.cli.options import JsonOpt
 from cachegraft_cli.cli.output import emit_json
 
-fuser_app = typer.Typer(name="fuser", help="Inspect fuser checkpoints and convert between layouts.", no_args_is_help=True)
+fuser_app = typer.Typer(name="fuser", help="Inspect fuser checkpoints and convert between layouts.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @fuser_app.command("info")

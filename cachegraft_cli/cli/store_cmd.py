@@ -8,7 +8,7 @@ import typer
 
 from cachegraft_cli.cli.options import JsonOpt
 
-store_app = typer.Typer(name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True)
+store_app = typer.Typer(name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True, rich_markup_mode=None)
 
 DirArg = Annotated[str, typer.Argument(help="Store directory or fsspec URL (e.g. s3://bucket/store).", metavar="DIR")]
 
