@@ -38,6 +38,7 @@ def evaluate(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
+    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
     from cachegraft_cli.session import ModelChoice
@@ -48,7 +49,8 @@ def evaluate(
                           max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
     config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, articles, pairwise,
                        answerer_config=acfg.results_key(), judge_limit=judge_limit)
-    summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
+    with showing_status(json_out):
+        summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
     if json_out:
         emit_json(summary)
         return

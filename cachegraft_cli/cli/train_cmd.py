@@ -56,6 +56,7 @@ def train_fuser(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a C2C fuser for a (receiver, sharer) pair; both models stay frozen."""
+    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.session import ModelChoice
     from cachegraft_cli.training import TrainConfig, train_fuser as run
 
@@ -83,7 +84,8 @@ def train_fuser(
 
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` checkpoints like Ctrl-C (background jobs ignore SIGINT)
     try:
-        summary = run(config, progress=not quiet)
+        with showing_status(json_out or quiet):
+            summary = run(config, progress=not quiet)
     except KeyboardInterrupt:
         log(f"interrupted: checkpoint saved; continue with the same command plus --resume (out: {out}).")
         raise SystemExit(130) from None
