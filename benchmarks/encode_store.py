@@ -18,8 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-MODELS = Path.home() / ".cache/cachegraft-test-models"
-SQUAD = Path(__file__).resolve().parents[1].parent / "shared/data/qa/squad_v1.1_dev.json"
+from cachegraft_cli.config import pulled_models_dir
+
+MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`
+SQUAD = Path(os.environ.get("CACHEGRAFT_QA_DATA") or Path(__file__).resolve().parents[2] / "shared/data/qa") \
+    / "squad_v1.1_dev.json"
 
 
 def parse_args():

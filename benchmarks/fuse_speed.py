@@ -49,6 +49,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from cachegraft_cli import fusion  # noqa: E402
+from cachegraft_cli.config import pulled_models_dir  # noqa: E402
 from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
 from cachegraft_cli.fusion import FusionEngine  # noqa: E402
@@ -56,8 +57,9 @@ from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E40
 from cachegraft_cli.template import PromptTemplate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path("/root/.cache/cachegraft-test-models")
-DEFAULT_DATA = (REPO / ".." / "shared" / "data" / "qa" / "squad_v1.1_dev.json").resolve()
+MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`
+DEFAULT_DATA = (Path(os.environ.get("CACHEGRAFT_QA_DATA") or REPO / ".." / "shared" / "data" / "qa")
+                / "squad_v1.1_dev.json").resolve()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

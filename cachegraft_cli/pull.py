@@ -83,7 +83,7 @@ REGISTRY: dict[str, Pullable] = {
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "Apache-2.0 upstream (Qwen/Qwen2.5-Coder-0.5B-Instruct); repack has no licence metadata.",
             "Qwen2.5-Coder 0.5B Instruct, Q4_K_M GGUF (made from the AWQ variant). " + _THIRD_PARTY,
-            download_bytes=491_400_064, stored_bytes=1_271_806_649,
+            download_bytes=491_400_064, stored_bytes=1_271_807_942,
         ),
         Pullable(
             "qwen2.5-coder-1.5b-instruct",
@@ -91,7 +91,7 @@ REGISTRY: dict[str, Pullable] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "Apache-2.0 upstream (Qwen/Qwen2.5-Coder-1.5B-Instruct); repack has no licence metadata.",
             "Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF. " + _THIRD_PARTY,
-            download_bytes=1_117_320_768, stored_bytes=3_565_654_045,
+            download_bytes=1_117_320_768, stored_bytes=3_565_657_588,
         ),
         Pullable(
             "smollm2-135m-instruct",

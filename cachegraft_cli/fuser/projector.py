@@ -1,4 +1,4 @@
-"""The C2C projector for one receiver layer (DESIGN.md section 3), parameter
+"""The C2C projector for one receiver layer (docs/method.md section 1), parameter
 names identical to the published checkpoints."""
 
 from __future__ import annotations

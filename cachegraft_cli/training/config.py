@@ -20,7 +20,7 @@ class TrainConfig:
     sharer_input: str = "model"
     val_data: list[str] = field(default_factory=list)
     seed: int = 0
-    # fuser shape (DESIGN.md section 3); dtype of the trained weights is float32
+    # fuser shape (docs/method.md section 1); dtype of the trained weights is float32
     hidden_dim: int = 1024
     intermediate_dim: int = 1024
     num_layers: int = 3
@@ -72,7 +72,7 @@ class TrainConfig:
         if not self.data:
             raise TrainingError("No training data given.", "Pass --data FILE (SQuAD JSON, JSONL or .txt), repeatable.")
         if self.num_layers < 2:
-            raise TrainingError("--num-layers must be at least 2 (DESIGN.md section 3).", "Use the default 3.")
+            raise TrainingError("--num-layers must be at least 2 (docs/method.md section 1).", "Use the default 3.")
         if not 0.0 <= self.val_fraction < 1.0:
             raise TrainingError(f"--val-fraction {self.val_fraction} is outside [0, 1).", "Use e.g. 0.1.")
         if self.save_dtype not in ("float32", "bfloat16"):

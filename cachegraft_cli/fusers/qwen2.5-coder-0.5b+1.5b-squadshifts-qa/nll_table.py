@@ -1,5 +1,10 @@
 """Held-out answer NLL: closed vs adapter vs fusers, on squadshifts held-out (the training runs' validation split)
-and a seeded sample of squad_v1.1_dev (never trained on)."""
+and a seeded sample of squad_v1.1_dev (never trained on).
+
+Run from anywhere with the offline models pulled (`cachegraft models pull offline`) and the QA files
+of docs/data.md in $CACHEGRAFT_QA_DATA:
+    CACHEGRAFT_QA_DATA=path/to/qa python nll_table.py closed=closed qa=<run dir> adapter=<run dir>
+"""
 import json, sys, time, gc
 import torch
 from cachegraft_cli.fuser.checkpoint import load_checkpoint
@@ -9,7 +14,9 @@ from cachegraft_cli.training.data import read_files
 from cachegraft_cli.training.precompute import CacheBank, bank_identity
 from cachegraft_cli.training.setup import select_passages, build_items, cap_items, template_for
 from cachegraft_cli.models import load_causal_lm
-M = "/root/.cache/cachegraft-test-models"; D = "/work/shared/data/qa"
+from cachegraft_cli.pull import model_dir
+import os
+M = str(model_dir("qwen2.5-coder-0.5b-instruct").parent); D = os.environ["CACHEGRAFT_QA_DATA"]
 fusers = dict(a.split("=", 1) for a in sys.argv[1:])
 torch.manual_seed(0)
 r = load_causal_lm(f"{M}/qwen2.5-coder-0.5b-instruct", device="cpu", dtype="float32"); r.model.requires_grad_(False)
@@ -24,7 +31,7 @@ dev_ids, dev_q = heldout.sample_questions(f"{D}/squad_v1.1_dev.json", tpl, 150, 
 dev = heldout.items_for(tpl, dev_ids, dev_q)
 from cachegraft_cli.fuser.fuser import Fuser
 engine = FusionEngine(r, tpl.prefix_ids(), s, Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=8, intermediate_dim=8))
-bank = CacheBank(bank_identity(r, s, tpl, "bfloat16"), "bfloat16", "/tmp/cgt/bank")
+bank = CacheBank(bank_identity(r, s, tpl, "bfloat16"), "bfloat16", os.path.join(os.environ.get("TMPDIR", "/tmp"), "cachegraft-nll-bank"))
 t = time.time(); bank.fill(engine, {**{k: ids[k] for k in val_keys}, **dev_ids}, batch_size=4); print("fill", time.time() - t, file=sys.stderr)
 prefix = [(k.float().unsqueeze(0), v.float().unsqueeze(0)) for k, v in engine.prefix_kv()]
 engine.sharer = None; del engine, s; gc.collect()
