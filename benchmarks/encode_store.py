@@ -75,7 +75,7 @@ def run(args) -> dict:
     import torch
 
     from cachegraft_cli import kvcache
-    from cachegraft_cli.encode import _row, split_passage
+    from cachegraft_cli.encode import split_passage
 
     torch.set_num_threads(args.threads)
     session = build_session(args)
@@ -92,7 +92,7 @@ def run(args) -> dict:
                 kvs = engine.fuse([c.ids for c in batch])
                 if cond == "fuse_and_write":
                     for chunk, kv in zip(batch, kvs):
-                        writer.add(_row(chunk), {"fused": kvcache.to_token_major(kv.fused)})
+                        writer.add(chunk.row(), {"fused": kvcache.to_token_major(kv.fused)})
                 times[cond] += time.perf_counter() - t
         t = time.perf_counter()
         entry = writer.commit()

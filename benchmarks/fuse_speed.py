@@ -216,7 +216,7 @@ def profile_fuse(conditions: dict, batch: list[list[int]], repeats: int = 3) -> 
         for dtype, fuser in fusers.items():
             runs = [timed(lambda: fuser.fuse(own, shared)) for _ in range(repeats)]  # noqa: B023
             fused, parts[f"fuser {dtype}"] = runs[0][0], statistics.median(t for _, t in runs)
-        parts["take (clones)"] = wall(lambda: [(fusion._take(fused, i, len(p)), fusion._take(own, i, len(p)))
+        parts["take (clones)"] = wall(lambda: [(fusion.take(fused, i, len(p)), fusion.take(own, i, len(p)))
                                                for i, p in enumerate(batch)])
         print(f"\n== fuse parts, batch {len(batch)} x <= {max(map(len, batch))} tokens ==")
         for part, secs in parts.items():
@@ -236,10 +236,8 @@ def print_top_ops(fn, label: str) -> None:
 
 
 def ext(engine: FusionEngine, role: str, batch: list[list[int]]):
-    """The passage pass `FusionEngine.fuse` makes for one model (its private helper)."""
-    if role == "receiver":
-        return fusion._extend(engine.receiver, engine._receiver_prefix, batch)
-    return fusion._extend(engine.sharer, engine._sharer_prefix, batch)
+    """The passage pass `FusionEngine.fuse` makes for one model."""
+    return engine.passage_pass(role, batch)
 
 
 def main(argv: list[str] | None = None) -> int:

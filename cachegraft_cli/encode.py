@@ -78,6 +78,24 @@ class Chunk:
     def id(self) -> str:
         return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
 
+    def row(self):
+        """The store row this chunk is written as (a piece of a long passage names its parent and span)."""
+        from cachegraft_cli.store import PassageRow
+
+        p = self.passage
+        meta = dict(p.metadata)
+        if self.span is not None:
+            meta["char_span"] = list(self.span)
+        return PassageRow(
+            id=self.id,
+            title=p.title,
+            text=self.text,
+            content_hash=self.content_hash,
+            metadata=meta,
+            parent_id=p.id if self.index is not None else None,
+            chunk_index=self.index,
+        )
+
 
 def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
     """Token-aware split of a passage that does not fit `max_tokens` (never truncates).
@@ -263,24 +281,6 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)
-        writer.add(_row(chunk), caches)
+        writer.add(chunk.row(), caches)
         summary.added += 1
         summary.tokens += len(chunk.ids)
-
-
-def _row(chunk: Chunk):
-    from cachegraft_cli.store import PassageRow
-
-    p = chunk.passage
-    meta = dict(p.metadata)
-    if chunk.span is not None:
-        meta["char_span"] = list(chunk.span)
-    return PassageRow(
-        id=chunk.id,
-        title=p.title,
-        text=chunk.text,
-        content_hash=chunk.content_hash,
-        metadata=meta,
-        parent_id=p.id if chunk.index is not None else None,
-        chunk_index=chunk.index,
-    )

@@ -44,7 +44,7 @@ class CacheStore:
         self.rows_file = rows_file(meta.get("format_version", 1))
         names = [s["name"] for s in manifest["segments"]]
         for entry, table in zip(manifest["segments"], segments.load_tables(loc, names, self.rows_file)):
-            self._adopt(entry, table)
+            self.adopt(entry, table)
 
     # -- create / open ----------------------------------------------------------
 
@@ -81,7 +81,7 @@ class CacheStore:
 
     # -- passages ---------------------------------------------------------------
 
-    def _adopt(self, entry: dict, table: SegmentTable) -> None:
+    def adopt(self, entry: dict, table: SegmentTable) -> None:
         """Add one committed segment to this snapshot (on open, and after our own commit)."""
         base = self._bases[-1] + len(self._tables[-1]) if self._tables else 0
         self._entries.append(entry)
@@ -141,6 +141,11 @@ class CacheStore:
         return list(self._entries)
 
     @property
+    def tables(self) -> list[SegmentTable]:
+        """The row tables of the committed segments, in segment order (read-only use)."""
+        return list(self._tables)
+
+    @property
     def token_shape(self) -> tuple[int, ...]:
         g = self.geometry
         return (g["layers"], 2, g["kv_heads"], g["head_dim"])
@@ -168,7 +173,7 @@ class CacheStore:
         found = [self._locate(pid) for pid in ids]
         comps = self.codec.components()
         spans = [self._tables[ti].span(ri) for ti, ri in found]
-        requests = [(self._array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+        requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
                     for (ti, _), span in zip(found, spans) for c in comps]
         flat = _read_ranges(requests)
         out = []
@@ -186,7 +191,8 @@ class CacheStore:
                 f"passage {table.ids[ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
                 hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
 
-    def _array(self, segment: str, kind: str, part: str):
+    def array(self, segment: str, kind: str, part: str):
+        """The zarr array of one segment's cache part (opened once, read lazily)."""
         key = (segment, kind, part)
         if key not in self._arrays:
             self._arrays[key] = segments.open_array(self.zarr_store(), array_path(segment, kind, part))

@@ -19,12 +19,12 @@ def verify(store, progress=None) -> dict:
         if progress:
             progress(done[0], total)
 
-    for table, entry in zip(store._tables, store.segments):
+    for table, entry in zip(store.tables, store.segments):
         problems += _check_table(store, table, entry)
         for kind in store.kinds:
             problems += _check_kind(store, table, kind, advance)
     return {"ok": not problems, "url": store.loc.url, "segments": len(store.segments),
-            "rows": sum(len(t) for t in store._tables), "tokens": total // max(len(store.kinds), 1),
+            "rows": sum(len(t) for t in store.tables), "tokens": total // max(len(store.kinds), 1),
             "problems": problems}
 
 
@@ -50,7 +50,7 @@ def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
     tokens = int(table.tokens.sum())
     try:
-        arrays = {c.name: store._array(table.segment, kind, c.name) for c in comps}
+        arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report
         return [_problem(table, None, kind, None, f"arrays do not open: {exc}")]
     spans = [table.span(i) for i in range(len(table))]

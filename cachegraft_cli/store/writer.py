@@ -162,7 +162,7 @@ class StoreWriter:
         entry = self._entry()
         loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
         segments.append_to_manifest(loc, entry)
-        self.store._adopt(entry, table)
+        self.store.adopt(entry, table)
         return entry
 
     def _entry(self) -> dict:
