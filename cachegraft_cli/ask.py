@@ -55,7 +55,8 @@ class Asker:
         self.store = CacheStore.open(store_url)
         self.store_url = store_url
         if len(self.store) == 0:
-            raise NoPassagesError(f"Store {store_url} has no passages.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+            raise NoPassagesError(f"Store {store_url} has no passages.",
+                                  f"Run `cachegraft encode CORPUS --store {store_url}` first.")
         self.session = session or session_for_store(self.store, overrides)
         self.index_kind = index_kind
 
@@ -118,7 +119,8 @@ class Asker:
         if not hits:
             raise NoPassagesError(
                 f"No passage matched the question {question!r}.",
-                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind dense`).",
+                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind "
+                "dense`).",
             )
         return hits
 
@@ -187,7 +189,8 @@ class Asker:
         if kind not in self.store.kinds:
             raise UsageError(
                 f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
-                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` system.",
+                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` "
+                "system.",
             )
         r = self.receiver
         arrays = self.store.read(ids, kind=kind)

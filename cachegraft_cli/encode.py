@@ -32,7 +32,8 @@ class EncodeOptions:
     def __post_init__(self):
         from cachegraft_cli.store.codecs import CODECS
 
-        if self.codec is not None and self.codec not in CODECS:  # checked here, before any model loads (tens of seconds)
+        # checked here, before any model loads (tens of seconds)
+        if self.codec is not None and self.codec not in CODECS:
             raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
 
 

@@ -40,7 +40,8 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
     t0 = time.perf_counter()
     store = CacheStore.open(store_url)
     if not len(store):
-        raise NoPassagesError(f"Store {store_url} has no passages to index.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+        raise NoPassagesError(f"Store {store_url} has no passages to index.", "Run `cachegraft encode CORPUS --store "
+                                                                              f"{store_url}` first.")
     index = None if rebuild else _existing(store_url, kind, embedder)
     names = segment_names(store)
     covered = (index.source or {}).get("segments") if index is not None else None

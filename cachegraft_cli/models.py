@@ -61,7 +61,9 @@ def pick_dtype(device: str, dtype: str | None = None):
 
     if dtype:
         try:
-            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype) or getattr(torch, dtype)
+            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype) or getattr(
+                torch, dtype
+            )
         except AttributeError:
             raise ModelLoadError(f"Unknown dtype {dtype!r}.", "Use bfloat16, float16 or float32.") from None
     if device.startswith("cuda"):

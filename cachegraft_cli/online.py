@@ -38,7 +38,11 @@ def online_prefill(receiver: LoadedModel, sharer: LoadedModel | None, fuser, sec
 
 
 def online_generate(
-    receiver: LoadedModel, sharer: LoadedModel | None, fuser, sections: list[Section], config: GenerationConfig | None = None
+    receiver: LoadedModel,
+    sharer: LoadedModel | None,
+    fuser,
+    sections: list[Section],
+    config: GenerationConfig | None = None,
 ) -> Generation:
     """Generate after the sections; the last section (the question) is receiver-only."""
     past, position = online_prefill(receiver, sharer, fuser, sections)

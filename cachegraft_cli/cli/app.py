@@ -30,7 +30,9 @@ def _root(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="CACHEGRAFT_DEBUG")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="CACHEGRAFT_DEBUG")
+    ] = False,
 ) -> None:
     set_debug(debug)
 

@@ -17,10 +17,13 @@ def ask(
     system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
     scheme: Annotated[str, typer.Option(help="Position scheme for stored caches: rotate or shared.")] = "rotate",
     questions: Annotated[
-        Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
+        Optional[str],
+        typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin."),
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Batch mode: questions decoded together.")] = 8,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "-b", min=1, help="Batch mode: questions decoded together.")
+    ] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit in tokens.")] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,

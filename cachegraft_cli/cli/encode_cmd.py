@@ -12,7 +12,9 @@ from cachegraft_cli.cli.output import emit_json, log
 
 
 def encode(
-    corpus: Annotated[str, typer.Argument(help="JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md files, or - for stdin.")],
+    corpus: Annotated[
+        str, typer.Argument(help="JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md files, or - for stdin.")
+    ],
     store: StoreOpt,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
@@ -22,14 +24,22 @@ def encode(
         Optional[str], typer.Option(help="bf16 (lossless), int8 or int4 (default: the store's, bf16 for a new one).")
     ] = None,
     batch_size: BatchOpt = 8,
-    max_passage_tokens: Annotated[int, typer.Option(min=16, help="Longer passages are split into chunks (never truncated).")] = 512,
-    also_own_cache: Annotated[bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")] = False,
+    max_passage_tokens: Annotated[
+        int, typer.Option(min=16, help="Longer passages are split into chunks (never truncated).")
+    ] = 512,
+    also_own_cache: Annotated[
+        bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")
+    ] = False,
     skip_bad: Annotated[bool, typer.Option(help="Skip and count bad input records instead of stopping.")] = False,
-    fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv, tsv, json or dir (default: by extension).")] = None,
+    fmt: Annotated[
+        Optional[str], typer.Option("--format", help="jsonl, csv, tsv, json or dir (default: by extension).")
+    ] = None,
     id_field: Annotated[str, typer.Option(help="Column/field holding the passage id.")] = "id",
     text_field: Annotated[str, typer.Option(help="Column/field holding the passage text.")] = "text",
     title_field: Annotated[str, typer.Option(help="Column/field holding the title.")] = "title",
-    commit_every: Annotated[int, typer.Option(min=1, help="Passages per committed segment (bounds work lost to a crash).")] = 2000,
+    commit_every: Annotated[
+        int, typer.Option(min=1, help="Passages per committed segment (bounds work lost to a crash).")
+    ] = 2000,
     instruction: InstructionOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -62,7 +72,8 @@ def encode(
 
 def _print(s) -> None:
     typer.echo(
-        f"{s.store}: added {s.added} passages ({s.tokens:,} tokens, {s.bytes:,} bytes, {s.bytes_per_token:,.0f} B/token), "
+        f"{s.store}: added {s.added} passages ({s.tokens:,} tokens, {s.bytes:,} bytes, {s.bytes_per_token:,.0f} "
+        "B/token), "
         f"skipped {s.skipped_existing} already stored, {s.skipped_bad} bad; {s.chunks_split} extra chunks from long "
         f"passages; {s.seconds:.1f} s."
     )

@@ -12,23 +12,46 @@ from cachegraft_cli.cli.output import emit_json
 def evaluate(
     benchmark: Annotated[
         list[str],
-        typer.Option("--benchmark", "-B", help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable."),
+        typer.Option(
+            "--benchmark",
+            "-B",
+            help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable.",
+        ),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (re-run to resume; judges may be added or dropped on resume).")],
-    systems: Annotated[str, typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter.")] = "graft,text,cache,closed",
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Run directory (re-run to resume; judges may be added or dropped on resume)."),
+    ],
+    systems: Annotated[
+        str, typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter.")
+    ] = "graft,text,cache,closed",
     ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
-    judge: Annotated[list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")] = [],
+    judge: Annotated[
+        list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")
+    ] = [],
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions per benchmark (sampled with --seed).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling and bootstrap seed.")] = 0,
-    corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
-    articles: Annotated[Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")] = None,
+    corpus: Annotated[
+        str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")
+    ] = "articles",
+    articles: Annotated[
+        Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")
+    ] = None,
     pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
-    judge_limit: Annotated[Optional[int], typer.Option(min=1, help="Judge only N seeded-random questions of each benchmark (all their systems and k; saves CPU time).")] = None,
+    judge_limit: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="Judge only N seeded-random questions of each benchmark (all their systems and k; saves CPU time).",
+        ),
+    ] = None,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
     sharer: SharerOpt = None,
     fuser: FuserOpt = None,
-    adapter_fuser: Annotated[Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")] = None,
+    adapter_fuser: Annotated[
+        Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")
+    ] = None,
     codec: Annotated[str, typer.Option(help="Store codec: bf16, int8 or int4.")] = "bf16",
     scheme: Annotated[str, typer.Option(help="Position scheme: rotate or shared.")] = "rotate",
     stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused.")] = Path("stores"),

@@ -13,7 +13,8 @@ PresetOpt = Annotated[
     Optional[str],
     typer.Option("--preset", "-p", help="Model pair preset (see `cachegraft models list`)."),
 ]
-ReceiverOpt = Annotated[Optional[str], typer.Option("--receiver", help="Receiver model: hub id, local dir or .gguf file.")]
+ReceiverOpt = Annotated[Optional[str], typer.Option("--receiver", help="Receiver model: hub id, local dir or .gguf "
+                                                                       "file.")]
 SharerOpt = Annotated[Optional[str], typer.Option("--sharer", help="Sharer model: hub id, local dir or .gguf file.")]
 FuserOpt = Annotated[
     Optional[str],
@@ -26,5 +27,6 @@ BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Passag
 TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 InstructionOpt = Annotated[
-    Optional[str], typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store).")
+    Optional[str],
+    typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store)."),
 ]

@@ -8,7 +8,9 @@ import typer
 
 from cachegraft_cli.cli.options import JsonOpt
 
-store_app = typer.Typer(name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True, rich_markup_mode=None)
+store_app = typer.Typer(
+    name="store", help="Inspect, verify or unlock a cache store.", no_args_is_help=True, rich_markup_mode=None
+)
 
 DirArg = Annotated[str, typer.Argument(help="Store directory or fsspec URL (e.g. s3://bucket/store).", metavar="DIR")]
 
@@ -47,11 +49,16 @@ def _info_table(report: dict):
     table.add_row("bytes", _fmt_bytes(report["bytes"]["total"]))
     for kind, bpt in report["bytes_per_token"].items():
         ratio = report["ratio_to_raw_bf16"][kind]
-        text = "-" if bpt is None else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
+        text = (
+            "-"
+            if bpt is None
+            else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
+        )
         table.add_row(f"bytes/token {kind}", text)
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
-        table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed {seg['committed']}")
+        table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
+                          f"{seg['committed']}")
     table.add_row("index", _index_text(report.get("index"), report["url"]))
     if report["writer"]:
         w = report["writer"]

@@ -85,7 +85,12 @@ class Fuser(nn.Module):
 
     def gate_states(self) -> list[dict]:
         return [
-            {"projector": i, **p.gates(), "key_logit": float(p.key_gate_logit.detach()), "value_logit": float(p.value_gate_logit.detach())}
+            {
+                "projector": i,
+                **p.gates(),
+                "key_logit": float(p.key_gate_logit.detach()),
+                "value_logit": float(p.value_gate_logit.detach()),
+            }
             for i, p in enumerate(self.projectors)
         ]
 

@@ -28,7 +28,8 @@ def _locked_error(loc: Location, holder: dict | None) -> StoreLockedError:
         who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
     return StoreLockedError(
         f"store {loc.url} is being written by {who}.",
-        hint=f"Wait for that writer to finish; if it is dead, remove the lock with `cachegraft store unlock {loc.url}`.",
+        hint="Wait for that writer to finish; if it is dead, remove the lock with `cachegraft store unlock "
+             f"{loc.url}`.",
     )
 
 

@@ -6,7 +6,17 @@ import json
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
-from cachegraft_cli.store.layout import CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.layout import (
+    CONTENT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ROWS,
+    SEGMENTS,
+    now_iso,
+    segment_dir,
+    segment_file,
+    zarr_compressors,
+)
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
 
@@ -21,8 +31,10 @@ def load_manifest(loc: Location) -> dict:
     except FileNotFoundError:
         return empty_manifest()
     except ValueError as exc:
-        raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
-                                hint="Restore it from a backup; segments/*/commit.json list what was committed.") from None
+        raise StoreCorruptError(
+            f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
+            hint="Restore it from a backup; segments/*/commit.json list what was committed.",
+        ) from None
 
 
 def append_to_manifest(loc: Location, entry: dict) -> dict:

@@ -13,7 +13,14 @@ from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
-    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, now_iso,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_COMPRESSOR,
+    FORMAT_VERSION,
+    PREFIX,
+    ROOT_META,
+    array_path,
+    default_shard_tokens,
+    now_iso,
     rows_file,
 )
 from cachegraft_cli.store.location import Location
@@ -189,7 +196,9 @@ class CacheStore:
         if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):
             raise StoreCorruptError(
                 f"passage {table.ids[ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
-                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
+                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new "
+                     "store.",
+            )
 
     def array(self, segment: str, kind: str, part: str):
         """The zarr array of one segment's cache part (opened once, read lazily)."""
@@ -238,8 +247,10 @@ def _read_meta(loc: Location) -> dict:
     try:
         root = loc.read_json(ROOT_META)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"no cache store at {loc.url}.",
-                                 hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.") from None
+        raise StoreNotFoundError(
+            f"no cache store at {loc.url}.",
+            hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.",
+        ) from None
     meta = root.get("attributes", {}).get("cachegraft")
     if not meta:
         raise StoreNotFoundError(f"{loc.url} is a zarr group but not a cache store.",
@@ -289,9 +300,12 @@ def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params
     codec = get_codec(ident["codec"], ident["geometry"], codec_params)
     strides = [c.stride for c in codec.components()] + [chunk]
     step = math.lcm(*strides)  # a default shard must hold whole token groups too (int4 key groups)
-    shard = int(shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step)
+    shard = int(
+        shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step
+    )
     if chunk < 1 or any(shard % s for s in strides):
-        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group {strides}.")
+        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group "
+                         f"{strides}.")
     return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
             "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
             "created": now_iso()}

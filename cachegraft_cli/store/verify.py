@@ -72,7 +72,9 @@ def _check_kind(store, table, kind, advance) -> list[dict]:
 def _read_block(arr, comp, start, stop, table, spans, kind, damaged) -> np.ndarray:
     lo, hi = comp.rows(start, stop)
     if arr.shape[0] < hi:
-        _mark(table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}", damaged)
+        _mark(
+            table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}", damaged
+        )
     try:
         return np.asarray(arr[lo:hi])
     except Exception:  # noqa: BLE001 - localise below, chunk by chunk
@@ -88,7 +90,8 @@ def _salvage(arr, comp, lo, hi, table, spans, kind, damaged) -> np.ndarray:
             out[a - lo: b - lo] = arr[a:b]
         except Exception as exc:  # noqa: BLE001
             tokens = (a * comp.stride, b * comp.stride)
-            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: {exc}", damaged)
+            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: "
+                                                    f"{exc}", damaged)
     return out
 
 

@@ -78,8 +78,10 @@ class TrainConfig:
         if self.save_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown save dtype {self.save_dtype!r}.", "Use float32 or bfloat16.")
         if self.passages_per_item < 1 or (self.passages_per_item > 1 and self.objective != "qa"):
-            raise TrainingError(f"--passages-per-item {self.passages_per_item} needs >= 1, and > 1 only with --objective qa.",
-                                "Use e.g. --objective qa --passages-per-item 3 to train for asking at k=3.")
+            raise TrainingError(
+                f"--passages-per-item {self.passages_per_item} needs >= 1, and > 1 only with --objective qa.",
+                "Use e.g. --objective qa --passages-per-item 3 to train for asking at k=3.",
+            )
         if self.cache_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown cache dtype {self.cache_dtype!r}.", "Use float32 or bfloat16.")
 

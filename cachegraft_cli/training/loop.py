@@ -20,8 +20,24 @@ from cachegraft_cli.training.validation import evaluate
 __all__ = ["Trainer", "evaluate", "planned_steps", "run"]
 
 STATE_DIR = "checkpoint"
-RESUME_KEYS = ("receiver", "sharer", "objective", "sharer_input", "data", "val_data", "seed", "hidden_dim",
-               "intermediate_dim", "num_layers", "batch_size", "epochs", "max_steps", "lr", "gate_lr", "passages_per_item")
+RESUME_KEYS = (
+    "receiver",
+    "sharer",
+    "objective",
+    "sharer_input",
+    "data",
+    "val_data",
+    "seed",
+    "hidden_dim",
+    "intermediate_dim",
+    "num_layers",
+    "batch_size",
+    "epochs",
+    "max_steps",
+    "lr",
+    "gate_lr",
+    "passages_per_item",
+)
 
 
 def epoch_batches(items, batch_size: int, seed: int, epoch: int) -> list[list]:
@@ -47,10 +63,22 @@ class Trainer:
         self.c, self.p, self.fuser, self.planned = config, prepared, fuser, planned_steps
         self.out = Path(config.out)
         self.zero = config.sharer_input == "zero"
-        self.opt = torch.optim.AdamW([
-            {"params": fusermodel.other_parameters(fuser), "lr": config.lr, "weight_decay": config.weight_decay, "base": config.lr},
-            {"params": fusermodel.gate_parameters(fuser), "lr": config.gate_lr, "weight_decay": 0.0, "base": config.gate_lr},
-        ])
+        self.opt = torch.optim.AdamW(
+            [
+                {
+                    "params": fusermodel.other_parameters(fuser),
+                    "lr": config.lr,
+                    "weight_decay": config.weight_decay,
+                    "base": config.lr,
+                },
+                {
+                    "params": fusermodel.gate_parameters(fuser),
+                    "lr": config.gate_lr,
+                    "weight_decay": 0.0,
+                    "base": config.gate_lr,
+                },
+            ]
+        )
         self.state = TrainState()
         self.best = None  # folded state dict of the best validated fuser
         self.recent: list[float] = []
@@ -104,14 +132,18 @@ class Trainer:
         loss = loss_sum / max(n, 1)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.fuser.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.fuser.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf")
+        )
         self.opt.step()
         self.state.step += 1
         return {"loss": float(loss.detach()), "tokens": n, "grad_norm": float(grad_norm),
                 "lr": self.opt.param_groups[0]["lr"], "tau": float(self.fuser.projectors[0].gate_temperature)}
 
     def validate(self) -> float:
-        val = evaluate(self.p.receiver, self.fuser, self.p.bank, self.p.prefix, self.p.val_items, self.c.batch_size, self.zero)
+        val = evaluate(
+            self.p.receiver, self.fuser, self.p.bank, self.p.prefix, self.p.val_items, self.c.batch_size, self.zero
+        )
         s = self.state
         improved = s.best_val is None or val < s.best_val - 1e-4
         if improved:
@@ -184,7 +216,8 @@ def run(config, progress: bool = True, on_step=None) -> dict:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if not config.resume and (out / STATE_DIR / "state.json").is_file():
-        raise TrainingError(f"{out} already holds a training run.", "Pass --resume to continue it, or choose a new --out.")
+        raise TrainingError(f"{out} already holds a training run.", "Pass --resume to continue it, or choose a new "
+                                                                    "--out.")
     prepared, fuser, planned = prepare(config, progress)
     trainer = Trainer(config, prepared, fuser, planned, progress)
     resumed = config.resume and trainer.load_checkpoint()
@@ -217,12 +250,16 @@ def prepare(config, progress: bool):
     ids, train_keys, val_keys = setup.select_passages(config, template, dataset, val_dataset)
     questions = dataset.questions + (val_dataset.questions if val_dataset else [])
     train_items = setup.build_items(config, template, ids, train_keys, questions)
-    val_items = setup.cap_items(setup.build_items(config, template, ids, val_keys, questions), config.max_val_items, config.seed)
+    val_items = setup.cap_items(
+        setup.build_items(config, template, ids, val_keys, questions), config.max_val_items, config.seed
+    )
     planned = planned_steps(config, len(train_items))
     sgeo = setup.sharer_geometry(config, sharer)
     torch.manual_seed(config.seed)
     fuser = fusermodel.create(receiver, config.sharer, sgeo, config, planned, setup.needs_alignment(receiver, sharer))
-    bank, prefix, seconds = setup.fill_bank(config, receiver, sharer, template, fuser, ids, train_keys + val_keys, progress)
+    bank, prefix, seconds = setup.fill_bank(
+        config, receiver, sharer, template, fuser, ids, train_keys + val_keys, progress
+    )
     del sharer
     setup.free(None)
     scales = None

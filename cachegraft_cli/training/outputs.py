@@ -35,8 +35,11 @@ def gate_report(fuser: Fuser, threshold: float, flip: dict | None = None) -> dic
     if weak:
         effect = ""
         if flip is not None:
-            effect = (f" Flipping all of them moves the validation NLL from {flip['val_nll']:.4f} to "
-                      f"{flip['flipped_val_nll']:.4f} ({100 * flip['relative_change']:+.2f}%): the smaller that change, the less their state matters.")
+            effect = (
+                f" Flipping all of them moves the validation NLL from {flip['val_nll']:.4f} to "
+                f"{flip['flipped_val_nll']:.4f} ({100 * flip['relative_change']:+.2f}%): the smaller that change, the "
+                "less their state matters."
+            )
         warnings.append(
             f"{weak} of {len(logits)} gate logits are within +-{threshold} of 0: their inference state (open if > 0) "
             f"is effectively random.{effect} Train longer or raise --gate-lr before shipping this fuser."

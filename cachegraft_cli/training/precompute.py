@@ -32,7 +32,9 @@ def unstack(t: torch.Tensor) -> PlainKV:
 def bank_identity(receiver, sharer, template, dtype: str) -> dict:
     return {
         "receiver": receiver.identity,
-        "sharer": {**sharer.identity, "dtype": str(sharer.dtype).removeprefix("torch.")} if sharer is not None else None,
+        "sharer": {**sharer.identity, "dtype": str(sharer.dtype).removeprefix("torch.")}
+        if sharer is not None
+        else None,
         "template": template.identity(),
         "prefix_token_ids": template.prefix_ids(),
         "dtype": dtype,
