@@ -20,7 +20,16 @@ __all__ = ["__version__", *_API]
 
 if TYPE_CHECKING:
     from cachegraft_cli.api import (
-        Answer, EncodeSummary, Passage, Source, Store, answer, answer_many, ask_options, encode_passages, index_store,
+        Answer,
+        EncodeSummary,
+        Passage,
+        Source,
+        Store,
+        answer,
+        answer_many,
+        ask_options,
+        encode_passages,
+        index_store,
         open_store,
     )
 

@@ -17,7 +17,6 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
-
 _UNSET = object()
 
 

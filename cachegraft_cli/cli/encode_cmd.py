@@ -5,7 +5,16 @@ from typing import Annotated, Optional
 import typer
 
 from cachegraft_cli.cli.options import (
-    BatchOpt, DeviceOpt, DtypeOpt, FuserOpt, InstructionOpt, JsonOpt, PresetOpt, ReceiverOpt, SharerOpt, StoreOpt,
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FuserOpt,
+    InstructionOpt,
+    JsonOpt,
+    PresetOpt,
+    ReceiverOpt,
+    SharerOpt,
+    StoreOpt,
     TrustOpt,
 )
 from cachegraft_cli.cli.output import emit_json, log

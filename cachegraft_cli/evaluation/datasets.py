@@ -8,7 +8,6 @@ default, every paragraph of the articles the sampled questions come from
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import random

@@ -17,7 +17,12 @@ from typing import Protocol
 
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.evaluation.datasets import (
-    CORPUS_MODES, Benchmark, DatasetSpec, QAExample, load_benchmark, parse_dataset_spec,
+    CORPUS_MODES,
+    Benchmark,
+    DatasetSpec,
+    QAExample,
+    load_benchmark,
+    parse_dataset_spec,
 )
 from cachegraft_cli.evaluation.judges import Judge, JudgeItem, PairItem, judge_name, load_judge
 from cachegraft_cli.evaluation.metrics import exact_match, f1_score, recall_at_k
@@ -26,7 +31,6 @@ from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY,
 from cachegraft_cli.evaluation.report import render_report
 from cachegraft_cli.evaluation.summary import COMPARISON_PAIRS, summarize
 from cachegraft_cli.systems import K_FREE_SYSTEMS, SYSTEMS  # closed: answered once (k=0), shared by every k
-
 
 
 class Answerer(Protocol):

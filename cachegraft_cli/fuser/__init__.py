@@ -28,7 +28,6 @@ def place_fuser(fuser, device):
     import torch
 
     from cachegraft_cli.models import cpu_has_fast_bf16
-
     from cachegraft_cli.onednn import route_linears
 
     slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()

@@ -23,7 +23,16 @@ update writes only new blocks), `passages.bin` (ids and content hashes by row,
 
 from cachegraft_cli.retrieval.dense import load_embedder
 from cachegraft_cli.retrieval.index import (
-    DEFAULT_EMBEDDER, KINDS, Doc, DocLike, Hit, RetrievalIndex, build_index, doc_hash, load_index, passage_fingerprint,
+    DEFAULT_EMBEDDER,
+    KINDS,
+    Doc,
+    DocLike,
+    Hit,
+    RetrievalIndex,
+    build_index,
+    doc_hash,
+    load_index,
+    passage_fingerprint,
 )
 
 __all__ = ["DEFAULT_EMBEDDER", "KINDS", "Doc", "DocLike", "Hit", "RetrievalIndex", "build_index", "doc_hash",

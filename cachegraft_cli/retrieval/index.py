@@ -14,7 +14,13 @@ import numpy as np
 from cachegraft_cli.errors import IndexMismatchError, IndexMissingError, NoPassagesError, RetrievalIndexError
 from cachegraft_cli.retrieval.dense import DensePart
 from cachegraft_cli.retrieval.files import (
-    as_stream, fs_for, read_bytes, rebuild_hint, store_of, write_bytes, write_npy,
+    as_stream,
+    fs_for,
+    read_bytes,
+    rebuild_hint,
+    store_of,
+    write_bytes,
+    write_npy,
 )
 from cachegraft_cli.retrieval.lexical import Bm25Part
 from cachegraft_cli.retrieval.ranking import RRF_DEPTH, RRF_K, rrf, top

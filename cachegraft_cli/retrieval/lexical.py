@@ -9,7 +9,13 @@ import numpy as np
 
 from cachegraft_cli.errors import RetrievalIndexError
 from cachegraft_cli.retrieval.files import (
-    as_stream, load_npy, read_bytes, rebuild_hint, store_of, write_bytes, write_npy,
+    as_stream,
+    load_npy,
+    read_bytes,
+    rebuild_hint,
+    store_of,
+    write_bytes,
+    write_npy,
 )
 from cachegraft_cli.retrieval.tokens import Tokenizer
 

@@ -18,7 +18,7 @@ from cachegraft_cli.store.layout import (
     zarr_compressors,
 )
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
+from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_bin, table_to_json
 
 
 def empty_manifest() -> dict:
