@@ -18,19 +18,19 @@ _API = ("Answer", "EncodeSummary", "Passage", "Source", "Store", "answer", "answ
         "encode_passages", "index_store", "open_store")
 __all__ = ["__version__", *_API]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports the API on first use
     from cachegraft_cli.api import (
-        Answer,
-        EncodeSummary,
-        Passage,
-        Source,
-        Store,
-        answer,
-        answer_many,
-        ask_options,
-        encode_passages,
-        index_store,
-        open_store,
+        Answer as Answer,
+        EncodeSummary as EncodeSummary,
+        Passage as Passage,
+        Source as Source,
+        Store as Store,
+        answer as answer,
+        answer_many as answer_many,
+        ask_options as ask_options,
+        encode_passages as encode_passages,
+        index_store as index_store,
+        open_store as open_store,
     )
 
 

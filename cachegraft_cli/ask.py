@@ -88,14 +88,10 @@ class Asker:
 
     def warm(self, system: str) -> None:
         """Load the index and the models a system needs, so timings cover answering only."""
-        if system != "closed":
-            self.index
-        if system == "sharer-text":
-            self.session.sharer
-        else:
-            self.receiver
+        loaded = [self.index] if system != "closed" else []  # cached properties: touching them loads them
+        loaded.append(self.session.sharer if system == "sharer-text" else self.receiver)
         if system in CACHE_KIND:
-            self._prefix, self._rotator
+            loaded += [self._prefix, self._rotator]
 
     def check_system(self, system: str) -> None:
         """Refuse a system this store cannot serve (`systems.check_system`)."""

@@ -27,8 +27,8 @@ def evaluate(
     ] = "graft,text,cache,closed",
     ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
     judge: Annotated[
-        list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")
-    ] = [],
+        Optional[list[str]], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions per benchmark (sampled with --seed).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling and bootstrap seed.")] = 0,
     corpus: Annotated[
@@ -68,10 +68,32 @@ def evaluate(
 
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser)
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
-    acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
-                          max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
-    config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, articles, pairwise,
-                       answerer_config=acfg.results_key(), judge_limit=judge_limit)
+    acfg = AnswererConfig(
+        choice.receiver,
+        choice.sharer,
+        choice.fuser,
+        adapter_fuser,
+        codec,
+        scheme,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        dtype=dtype,
+        stores_dir=str(stores),
+    )
+    config = RunConfig(
+        benchmark,
+        system_list,
+        out,
+        _ints(ks),
+        list(judge or []),
+        limit,
+        seed,
+        corpus,
+        articles,
+        pairwise,
+        answerer_config=acfg.results_key(),
+        judge_limit=judge_limit,
+    )
     with showing_status(json_out):
         summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
     if json_out:

@@ -91,8 +91,7 @@ def train_fuser(
     """Train a C2C fuser for a (receiver, sharer) pair; both models stay frozen."""
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.session import ModelChoice
-    from cachegraft_cli.training import TrainConfig
-    from cachegraft_cli.training import train_fuser as run
+    from cachegraft_cli.training import TrainConfig, train_fuser as run
 
     choice = ModelChoice.resolve(preset, receiver, sharer, None)
     if not choice.sharer:

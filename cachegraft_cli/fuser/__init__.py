@@ -61,7 +61,7 @@ def _hub_fuser_dir(repo: str, subfolder: str) -> Path:
     patterns = [f"{subfolder}/*", f"{subfolder}/final/*"] if subfolder else None
     try:
         root = Path(snapshot_download(repo_id=repo, allow_patterns=patterns))
-    except Exception as exc:  # huggingface_hub raises many kinds: offline, 404, connection, auth
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises many kinds: offline, 404, connection, auth
         raise HubUnreachableError(
             f"Could not get fuser {repo}{':' + subfolder if subfolder else ''} from the Hugging Face hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",

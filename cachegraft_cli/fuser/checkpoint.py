@@ -134,7 +134,7 @@ def _torch_load(file: Path) -> dict:
         raise CheckpointError(f"{file} is missing.", "The checkpoint is incomplete: download or copy it again.")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for unsafe or broken files
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for unsafe or broken files
         raise CheckpointError(
             f"{file} is not a plain tensor state dict ({type(exc).__name__}); refusing to unpickle it.",
             "Only load fusers from sources you trust; re-save the weights as a plain state dict.",

@@ -9,8 +9,7 @@ import os
 import numpy as np
 
 from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError, UsageError
-from cachegraft_cli.store import checksums, segments
-from cachegraft_cli.store import identity as ident_mod
+from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (

@@ -144,7 +144,7 @@ class StoreWriter:
         self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)), data)
 
     def _resize_arrays(self) -> None:
-        for (kind, part), arr in self._arrays.items():
+        for (_kind, part), arr in self._arrays.items():
             comp = next(c for c in self.store.codec.components() if c.name == part)
             arr.resize((comp.rows(0, self._written)[1],) + comp.tail)
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cachegraft_cli.errors import TrainingError
-from cachegraft_cli.training import data as data_mod
-from cachegraft_cli.training import objectives
+from cachegraft_cli.training import data as data_mod, objectives
 from cachegraft_cli.training.log import say
 
 
