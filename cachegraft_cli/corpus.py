@@ -281,7 +281,8 @@ class _LineDecoder:
     """Decodes a binary file line by line for `csv`, remembering undecodable lines."""
 
     def __init__(self, stream: IO[bytes]):
-        self.stream, self.bad, self.lineno = stream, {}, 0
+        self.stream, self.lineno = stream, 0
+        self.bad: dict[int, str] = {}
 
     def __iter__(self) -> Iterator[str]:
         for raw in self.stream:

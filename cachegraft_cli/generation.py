@@ -43,7 +43,7 @@ def stop_ids(lm) -> set[int]:
 
 
 def _find_stop_ids(lm) -> set[int]:
-    ids = set()
+    ids: set[int] = set()
     for source in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -169,7 +169,8 @@ def generate_batch(
 
 
 def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
-    stops, rows = stop_ids(lm), [[] for _ in range(logits.shape[0])]
+    stops = stop_ids(lm)
+    rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     for n in range(config.max_new_tokens):

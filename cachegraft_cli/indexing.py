@@ -40,15 +40,17 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
     t0 = time.perf_counter()
     store = CacheStore.open(store_url)
     if not len(store):
-        raise NoPassagesError(f"Store {store_url} has no passages to index.", "Run `cachegraft encode CORPUS --store "
-                                                                              f"{store_url}` first.")
-    index = None if rebuild else _existing(store_url, kind, embedder)
+        raise NoPassagesError(f"Store {store_url} has no passages to index.",
+                              f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+    existing = None if rebuild else _existing(store_url, kind, embedder)
     names = segment_names(store)
-    covered = (index.source or {}).get("segments") if index is not None else None
-    if covered is not None and covered == names[:len(covered)]:
-        added, mode = index.add(store_docs(store, names[len(covered):])), "updated"  # segments are immutable
-    elif index is not None and set(index.ids) <= set(store.ids()):
-        added, mode = index.add(store_docs(store)), "updated"
+    covered = (existing.source or {}).get("segments") if existing is not None else None
+    if existing is not None and covered is not None and covered == names[:len(covered)]:
+        index, mode = existing, "updated"
+        added = index.add(store_docs(store, names[len(covered):]))  # segments are immutable
+    elif existing is not None and set(existing.ids) <= set(store.ids()):
+        index, mode = existing, "updated"
+        added = index.add(store_docs(store))
     else:
         index = build_index(store_docs(store), kind, embedder)
         added, mode = len(index), "built"

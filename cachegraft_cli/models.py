@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from cachegraft_cli.errors import HubUnreachableError, ModelLoadError
 
@@ -15,8 +16,8 @@ from cachegraft_cli.errors import HubUnreachableError, ModelLoadError
 @dataclass
 class LoadedModel:
     spec: str
-    model: object
-    tokenizer: object
+    model: Any
+    tokenizer: Any
     identity: dict = field(default_factory=dict)
 
     @property

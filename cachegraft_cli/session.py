@@ -32,7 +32,7 @@ class ModelChoice:
         """Preset defaults (the paper's pair when nothing is given) overridden by explicit specs."""
         base = get_preset(preset or PAPER_PRESET) if (preset or not receiver) else None
         return cls(
-            receiver=receiver or base.receiver,
+            receiver=receiver or (base.receiver if base else ""),
             sharer=sharer or (base.sharer if base else None),
             fuser=fuser if fuser is not None else (base.fuser if base else "closed"),
             **{k: v for k, v in kw.items() if v is not None},

@@ -11,6 +11,7 @@ exactly the same ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the documents. Reply with a short answer only: a few words, no explanation."
@@ -22,7 +23,7 @@ TEMPLATE_VERSION = 1
 
 @dataclass
 class PromptTemplate:
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     prefix_text: str
     suffix_text: str  # contains the question slot
     chat: bool

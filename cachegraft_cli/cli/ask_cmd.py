@@ -10,8 +10,8 @@ from cachegraft_cli.cli.output import emit_json, log
 
 
 def ask(
+    store: StoreOpt,
     question: Annotated[Optional[str], typer.Argument(help="The question (or use --questions).")] = None,
-    store: StoreOpt = ...,
     k: TopKOpt = 3,
     system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
     scheme: Annotated[str, typer.Option(help="Position scheme for stored caches: rotate or shared.")] = "rotate",
@@ -62,6 +62,7 @@ def ask(
     if batch:
         _batch(graft, items, options, batch_size)
         return
+    assert question is not None  # exactly one of QUESTION and --questions was given (checked above)
     stream = sys.stdout.isatty() and not json_out
     answer = graft.ask(question, on_text=_echo if stream else None, **options)
     _print(answer.as_dict(), json_out, stream, show_passages)

@@ -3,6 +3,8 @@ import only typer at load time (their heavy imports are inside the functions).""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import typer
 
 from cachegraft_cli.cli.ask_cmd import ask
@@ -14,7 +16,9 @@ from cachegraft_cli.cli.models_cmd import models_app
 from cachegraft_cli.cli.store_cmd import store_app
 from cachegraft_cli.cli.train_cmd import train_fuser
 
-_COMMANDS = [("encode", encode), ("index", index), ("ask", ask), ("evaluate", evaluate), ("train-fuser", train_fuser)]
+_COMMANDS: list[tuple[str, Callable[..., None]]] = [
+    ("encode", encode), ("index", index), ("ask", ask), ("evaluate", evaluate), ("train-fuser", train_fuser),
+]
 _GROUPS = [fuser_app, store_app, models_app]
 
 

@@ -80,7 +80,8 @@ class RunConfig:
 
 
 def _judge_entries(specs: Sequence[str]) -> list[dict]:
-    entries, seen = [], {}
+    entries: list[dict] = []
+    seen: dict[str, int] = {}
     for spec in specs:
         name = judge_name(spec)
         seen[name] = seen.get(name, 0) + 1
@@ -244,7 +245,7 @@ def judged_answers(answers: list[dict], benchmarks: list[Benchmark], judge_limit
     benchmark (the same questions for every system and k, so comparisons stay paired)."""
     if judge_limit is None:
         return answers
-    keep = set()
+    keep: set = set()
     for b in benchmarks:
         chosen = random.Random(f"judge-{seed}-{b.name}").sample(b.questions, min(judge_limit, len(b.questions)))
         keep.update((b.name, q.id) for q in chosen)

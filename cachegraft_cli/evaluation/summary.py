@@ -105,8 +105,8 @@ def comparisons(answers: list[dict], verdicts: list[dict], config: dict) -> list
     table = _verdict_table(answers, verdicts)
     out = []
     for a, b in COMPARISON_PAIRS:
-        family = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
-        family = [c for c in family if c is not None]
+        compared = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
+        family = [c for c in compared if c is not None]
         for c, p_holm in zip(family, holm([c["p_value"] for c in family])):
             c.update(p_holm=p_holm, significant=_sig(c, c["p_value"]), significant_holm=_sig(c, p_holm))
         out += family

@@ -85,6 +85,11 @@ class C2CProjector(nn.Module):
     `value_proj_mlp2.blocks.0.w1.weight`, `key_gate_logit`, ...).
     """
 
+    args: ProjectorArgs
+    key_gate_logit: nn.Parameter
+    value_gate_logit: nn.Parameter
+    gate_temperature: torch.Tensor  # a buffer
+
     def __init__(self, args: ProjectorArgs):
         super().__init__()
         self.args = args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -14,9 +15,9 @@ class DensePart:
 
     def __init__(self, embedder: str, matrix: np.ndarray | None = None, progress: bool = True):
         self.embedder = embedder
-        self.matrix = matrix
+        self.matrix: np.ndarray = matrix if matrix is not None else np.zeros((0, 0), dtype=np.float32)  # 0 x 0: empty
         self.progress = progress
-        self._model = None
+        self._model: Any = None  # a SentenceTransformer, loaded on first use
 
     def model(self):
         if self._model is None:
@@ -26,7 +27,7 @@ class DensePart:
     def set_rows(self, rows: list[int], texts: list[str]) -> None:
         vectors = self._encode(texts, query=False)
         n = max([*rows, -1]) + 1
-        if self.matrix is None:
+        if self.matrix.shape[1] == 0:  # the first rows set the width
             self.matrix = np.zeros((0, vectors.shape[1]), dtype=np.float32)
         self._check_dim(vectors)
         if n > len(self.matrix):

@@ -159,13 +159,26 @@ class RetrievalIndex:
         queries = list(queries)
         if self.kind == "bm25":
             return [self._hits(s, top(s, k, positive=True)) for s in self._bm25_scores(queries)]
-        dense = self._dense.scores_many(queries) if queries else []
+        dense = list(self._embedding().scores_many(queries)) if queries else []  # one row of scores per query
         if self.kind == "dense":
             return [self._hits(s, top(s, k)) for s in dense]
         return [self._hybrid(b, d, k) for b, d in zip(self._bm25_scores(queries), dense)]
 
     def _bm25_scores(self, queries: list[str]) -> list[np.ndarray]:
-        return [self._bm25.scores(q) for q in queries]
+        bm25 = self._lexical()
+        return [bm25.scores(q) for q in queries]
+
+    def _lexical(self) -> Bm25Part:
+        if self._bm25 is None:
+            raise RetrievalIndexError(f"this {self.kind} index has no BM25 part",
+                                      "Rebuild it with --kind bm25 or hybrid.")
+        return self._bm25
+
+    def _embedding(self) -> DensePart:
+        if self._dense is None:
+            raise RetrievalIndexError(f"this {self.kind} index has no embeddings",
+                                      "Rebuild it with --kind dense or hybrid.")
+        return self._dense
 
     def _hybrid(self, bm25: np.ndarray, dense: np.ndarray, k: int) -> list[Hit]:
         depth = max(k, RRF_DEPTH)

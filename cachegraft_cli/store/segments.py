@@ -103,6 +103,7 @@ def compressor_for(spec: dict, dtype: str) -> dict:
 def create_array(store, path: str, comp: Component):
     """Metadata only (shape 0); the writer writes whole shards itself and resizes at commit."""
     import zarr
+    from zarr.core.array_spec import ArrayConfigParams
 
     rows_per_chunk, rows_per_shard = chunk_rows(store, comp)
     return zarr.create_array(
@@ -115,7 +116,7 @@ def create_array(store, path: str, comp: Component):
         compressors=zarr_compressors(compressor_for(store.compressor, comp.dtype), comp.dtype),
         fill_value=0,
         overwrite=True,
-        config={"write_empty_chunks": True},
+        config=ArrayConfigParams(write_empty_chunks=True),
     )
 
 

@@ -23,6 +23,8 @@ from cachegraft_cli.fuser.projector import ProjectorArgs
 class ColumnScale(nn.Module):
     """weight -> weight * scale (per input column); `scale` is a fixed buffer."""
 
+    scale: torch.Tensor  # a buffer
+
     def __init__(self, scale: torch.Tensor):
         super().__init__()
         self.register_buffer("scale", scale)

@@ -80,7 +80,7 @@ class Trainer:
             ]
         )
         self.state = TrainState()
-        self.best = None  # folded state dict of the best validated fuser
+        self.best: dict | None = None  # folded state dict of the best validated fuser
         self.recent: list[float] = []
         self.log = RunLog(self.out, config.resume)
         self.show = progress
