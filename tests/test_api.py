@@ -11,10 +11,19 @@ import cachegraft_cli as cg
 from cachegraft_cli.errors import NoPassagesError, StoreNotFoundError, UsageError
 
 PASSAGES = [
-    {"id": "harbor", "title": "Harbor town", "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
-    {"id": "treaty", "title": "Treaty", "text": "The treaty was signed in Vienna after long talks between the two empires."},
+    {
+        "id": "harbor",
+        "title": "Harbor town",
+        "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse.",
+    },
+    {
+        "id": "treaty",
+        "title": "Treaty",
+        "text": "The treaty was signed in Vienna after long talks between the two empires.",
+    },
 ]
-MORE = cg.Passage("photo", "Photosynthesis", "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.")
+MORE = cg.Passage("photo", "Photosynthesis", "Photosynthesis turns light, water and carbon dioxide into sugar and "
+                                             "oxygen.")
 
 
 @pytest.fixture
@@ -37,8 +46,11 @@ def store(tiny_dirs, tmp_path):
 
 
 def test_import_is_light_and_lists_the_api():
-    code = "import sys, cachegraft_cli as cg; assert 'torch' not in sys.modules and 'cachegraft_cli.api' not in sys.modules; " \
-           "print(sorted(n for n in cg.__all__ if not n.startswith('_')))"
+    code = (
+        "import sys, cachegraft_cli as cg; assert 'torch' not in sys.modules and 'cachegraft_cli.api' not in "
+        "sys.modules; "
+        "print(sorted(n for n in cg.__all__ if not n.startswith('_')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "open_store" in proc.stdout and "encode_passages" in proc.stdout and "answer_many" in proc.stdout

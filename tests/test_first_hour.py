@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_cli_e2e import PASSAGES, QUESTIONS, _corpus, _encode, run
 
 
@@ -158,7 +157,8 @@ def test_help_at_80_columns_keeps_option_names_whole():
     encode, ask, root = _cli("encode", "--help"), _cli("ask", "--help"), _cli("--help")
     for proc in (encode, ask, root):
         assert proc.returncode == 0, proc.stderr
-        assert "<bool>" not in proc.stdout and "…" not in proc.stdout and "..." not in proc.stdout.split("Commands:")[-1]
+        commands = proc.stdout.split("Commands:")[-1]
+        assert "<bool>" not in proc.stdout and "…" not in proc.stdout and "..." not in commands
         assert max(len(line) for line in proc.stdout.splitlines()) <= 80
     assert "--max-passage-tokens" in encode.stdout and "--also-own-cache" in encode.stdout
     assert "--max-new-tokens" in ask.stdout and "--show-passages" in ask.stdout
