@@ -1,6 +1,6 @@
 """Answer questions from a store: retrieve -> load caches -> assemble -> generate.
 
-Systems (DESIGN.md section 6), all with the same template and ids:
+Systems (docs/method.md section 3; names in `systems.py`), all with the same template and ids:
 - graft: the receiver with fused passage caches (no sharer is loaded);
 - adapter: the same, from a store encoded with an adapter fuser (trained with
   the sharer's input zeroed): isolates task adaptation from the sharer;
@@ -22,14 +22,19 @@ from functools import cached_property
 from typing import Callable
 
 from cachegraft_cli.assembly import (
-    DEFAULT_ORDER, DEFAULT_RECOMPUTE, DEFAULT_SCHEME, ORDERS, SCHEMES, AssemblyOptions, in_prompt_order,
+    DEFAULT_ORDER,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEME,
+    ORDERS,
+    SCHEMES,
+    AssemblyOptions,
+    in_prompt_order,
 )
 from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
 from cachegraft_cli.generation import GenerationConfig, Prompt
+from cachegraft_cli.systems import CACHE_KIND, SYSTEMS, check_name, check_question
 
-SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
-CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}
-__all__ = ["AskOptions", "Asker", "SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME"]
+__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
 
 
 @dataclass
@@ -48,8 +53,7 @@ class AskOptions:
         return AssemblyOptions(self.order, self.scheme, self.recompute, self.blend, self.blend_layer)
 
     def check(self) -> None:
-        if self.system not in SYSTEMS:
-            raise UsageError(f"Unknown system {self.system!r}.", f"Choose one of: {', '.join(SYSTEMS)}.")
+        check_name(self.system)
         if self.k < 1:
             raise UsageError(f"-k must be at least 1, got {self.k}.", "Use e.g. -k 3.")
         self.assembly.check()
@@ -66,7 +70,8 @@ class Asker:
         self.store = CacheStore.open(store_url)
         self.store_url = store_url
         if len(self.store) == 0:
-            raise NoPassagesError(f"Store {store_url} has no passages.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+            raise NoPassagesError(f"Store {store_url} has no passages.",
+                                  f"Run `cachegraft encode CORPUS --store {store_url}` first.")
         self.session = session or session_for_store(self.store, overrides)
         self.index_kind = index_kind
 
@@ -93,31 +98,21 @@ class Asker:
 
     def warm(self, system: str) -> None:
         """Load the index and the models a system needs, so timings cover answering only."""
-        if system != "closed":
-            self.index
-        if system == "sharer-text":
-            self.session.sharer
-        else:
-            self.receiver
+        loaded = [self.index] if system != "closed" else []  # cached properties: touching them loads them
+        loaded.append(self.session.sharer if system == "sharer-text" else self.receiver)
         if system in CACHE_KIND:
-            self._assembler
+            loaded.append(self._assembler)
 
     def check_system(self, system: str) -> None:
-        """`graft` and `adapter` name what the store's fuser is; refuse the wrong one."""
-        fuser = self.store.identity.get("fuser") or {}
-        is_adapter = fuser.get("sharer_input") == "zero"
-        if system == "adapter" and not is_adapter:
-            raise UsageError(f"Store {self.store_url} was not encoded with an adapter fuser.",
-                             "Encode a store with --fuser <adapter dir> (train-fuser --sharer-input zero) for this system.")
-        if system == "graft" and is_adapter:
-            raise UsageError(f"Store {self.store_url} holds adapter caches (its fuser never saw the sharer).",
-                             "Ask it with --system adapter, or use a store encoded with a sharer-fed fuser.")
+        """Refuse a system this store cannot serve (`systems.check_system`)."""
+        from cachegraft_cli.systems import check_system
+
+        check_system(self.store, system)
 
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
         options.check()
         self.check_system(options.system)
-        if not question.strip():
-            raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
+        check_question(question)
         from cachegraft_cli.generation import generate
 
         t0 = time.perf_counter()
@@ -134,7 +129,8 @@ class Asker:
         if not hits:
             raise NoPassagesError(
                 f"No passage matched the question {question!r}.",
-                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind dense`).",
+                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind "
+                "dense`).",
             )
         return hits
 
@@ -145,7 +141,8 @@ class Asker:
             lm, prompt = self.receiver, self._assemble(ids, question, CACHE_KIND[options.system], options)
         else:
             lm, template = self._text_model(options.system)
-            tokens = template.prefix_ids() + [i for r in self.store.get_rows(ids) for i in template.passage_ids(r.title, r.text)]
+            rows = self.store.get_rows(ids)
+            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
             prompt = Prompt.plain(None, tokens + template.question_ids(question), 0)
         _check_context(lm, prompt, options.generation.max_new_tokens)
         return lm, prompt
@@ -173,12 +170,14 @@ class Asker:
                 loads.append(time.perf_counter() - start)
             t_load = time.perf_counter()
             gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation)
+            first = gens[0].timings
             shared = {"questions": len(chunk), "retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
-                      "prefill": gens[0].timings["prefill"], "first_token": t_load - t0 + gens[0].timings["first_token"],
-                      "total": t_load - t0 + gens[0].timings["total"]}
+                      "prefill": first["prefill"], "first_token": t_load - t0 + first["first_token"],
+                      "total": t_load - t0 + first["total"]}
             for q, hits, (_, prompt), gen, load in zip(chunk, hit_lists, prompts, gens, loads):
                 timings = {"load": load, "batch": {k: round(v, 4) for k, v in shared.items()}}
-                results.append(_result(q, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings))
+                rows = self.store.get_rows([h.id for h in hits])
+                results.append(_result(q, gen, prompt, hits, rows, options, timings))
         return results
 
     def _retrieve_many(self, questions: list[str], options: AskOptions):
@@ -203,7 +202,8 @@ class Asker:
         if kind not in self.store.kinds:
             raise UsageError(
                 f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
-                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` system.",
+                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` "
+                "system.",
             )
         arrays = self.store.read(ids, kind=kind)
         assembly = options.assembly
@@ -220,7 +220,8 @@ class Asker:
             if len(tokens) != len(array):
                 raise StoreMismatchError(
                     f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache holds {len(array)}.",
-                    "The tokenizer differs from the one the store was encoded with; ask with --recompute 0, or re-encode.",
+                    "The tokenizer differs from the one the store was encoded with; "
+                    "ask with --recompute 0, or re-encode.",
                 )
             out.append(tokens)
         return out

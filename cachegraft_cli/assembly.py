@@ -58,15 +58,22 @@ class AssemblyOptions:
         if self.scheme not in SCHEMES:
             raise UsageError(f"Unknown position scheme {self.scheme!r}.", f"Choose one of: {', '.join(SCHEMES)}.")
         if self.recompute < 0:
-            raise UsageError(f"Recompute takes a token count >= 0, got {self.recompute}.", "Use e.g. 16, or 0 for none.")
+            raise UsageError(
+                f"Recompute takes a token count >= 0, got {self.recompute}.", "Use e.g. 16, or 0 for none."
+            )
         if not 0.0 <= self.blend <= 1.0:
             raise UsageError(f"Blend takes a fraction in [0, 1], got {self.blend}.", "Use e.g. 0.15, or 0 for none.")
         if self.blend_layer < 0:
             raise UsageError(f"The blend layer must be >= 0, got {self.blend_layer}.", "Use e.g. 1.")
 
     def as_dict(self) -> dict:
-        return {"order": self.order, "scheme": self.scheme, "recompute": self.recompute, "blend": self.blend,
-                "blend_layer": self.blend_layer}
+        return {
+            "order": self.order,
+            "scheme": self.scheme,
+            "recompute": self.recompute,
+            "blend": self.blend,
+            "blend_layer": self.blend_layer,
+        }
 
 
 def in_prompt_order(items: Sequence, order: str) -> list:
@@ -146,8 +153,13 @@ def visibility(past_tokens: int, hidden: Sequence[int], orders: Sequence[int]) -
     return torch.cat([past, new], dim=1)
 
 
-def recompute_prompt(past: PlainKV, layout: Layout, passage_ids: Sequence[Sequence[int]], slots: Sequence[int],
-                     question_ids: Sequence[int]) -> Prompt:
+def recompute_prompt(
+    past: PlainKV,
+    layout: Layout,
+    passage_ids: Sequence[Sequence[int]],
+    slots: Sequence[int],
+    question_ids: Sequence[int],
+) -> Prompt:
     """The first forward: the recomputed passage tokens at `slots`, then the question."""
     from cachegraft_cli.generation import Prompt
 
@@ -198,8 +210,9 @@ class Assembler:
             slots |= set(self.blend_slots(past, layout, passage_ids, options, slots))
         return recompute_prompt(past, layout, passage_ids, sorted(slots), question_ids)
 
-    def blend_slots(self, past: PlainKV, layout: Layout, passage_ids, options: AssemblyOptions,
-                    chosen: set[int]) -> list[int]:
+    def blend_slots(
+        self, past: PlainKV, layout: Layout, passage_ids, options: AssemblyOptions, chosen: set[int]
+    ) -> list[int]:
         """CacheBlend's choice: the later-passage tokens whose KV at an early layer moves most
         when recomputed in context (the boundary tokens in `chosen` are taken anyway)."""
         later = layout.later_slots()

@@ -72,7 +72,9 @@ class Bm25:
 
     def __init__(self, blocks: list[Block] | None = None, terms: int = 0):
         self.blocks: list[Block] = blocks or []
-        self.lengths = np.concatenate([np.diff(b.offsets) for b in self.blocks]) if self.blocks else np.zeros(0, np.int64)
+        self.lengths = (
+            np.concatenate([np.diff(b.offsets) for b in self.blocks]) if self.blocks else np.zeros(0, np.int64)
+        )
         self.df = np.zeros(terms, dtype=np.int64)
         for block in self.blocks:
             self._count_terms(block)

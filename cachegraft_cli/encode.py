@@ -17,10 +17,12 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
+_UNSET = object()
+
 
 @dataclass
 class EncodeOptions:
-    codec: str = "bf16"
+    codec: str | None = None  # None: the existing store's codec, bf16 for a new store
     batch_size: int = 8
     max_passage_tokens: int = 512
     also_own_cache: bool = False
@@ -29,7 +31,8 @@ class EncodeOptions:
     def __post_init__(self):
         from cachegraft_cli.store.codecs import CODECS
 
-        if self.codec not in CODECS:  # checked here, before any model loads (tens of seconds)
+        # checked here, before any model loads (tens of seconds)
+        if self.codec is not None and self.codec not in CODECS:
             raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
 
 
@@ -47,6 +50,7 @@ class EncodeSummary:
     seconds: float = 0.0
     segments: list[str] = field(default_factory=list)
     skipped_reasons: dict = field(default_factory=dict)
+    fuser: str | None = None  # the fuser spec the store's caches come from ("closed": none)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +77,24 @@ class Chunk:
     @property
     def id(self) -> str:
         return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
+
+    def row(self):
+        """The store row this chunk is written as (a piece of a long passage names its parent and span)."""
+        from cachegraft_cli.store import PassageRow
+
+        p = self.passage
+        meta = dict(p.metadata)
+        if self.span is not None:
+            meta["char_span"] = list(self.span)
+        return PassageRow(
+            id=self.id,
+            title=p.title,
+            text=self.text,
+            content_hash=self.content_hash,
+            metadata=meta,
+            parent_id=p.id if self.index is not None else None,
+            chunk_index=self.index,
+        )
 
 
 def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
@@ -125,6 +147,33 @@ def _whitespace_cut(text: str, offsets, first: int, last: int) -> int:
     return last
 
 
+def encode_into(
+    store_url: str,
+    passages: Iterable[Passage],
+    options: EncodeOptions | None = None,
+    *,
+    preset: str | None = None,
+    receiver: str | None = None,
+    sharer: str | None = None,
+    fuser: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    instruction: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> EncodeSummary:
+    """Encode passages into a store with the models the user chose: a new store takes the
+    preset (or the paper's pair) with overrides, an existing one its own models
+    (`session.choice_for_encode`)."""
+    from cachegraft_cli.session import choice_for_encode, open_existing
+
+    options = options or EncodeOptions()
+    store = open_existing(store_url)
+    choice = choice_for_encode(store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
+                               trust_remote_code=trust_remote_code or None, instruction=instruction)
+    return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store)
+
+
 def encode_corpus(
     passages: Iterable[Passage],
     store_url: str,
@@ -132,27 +181,58 @@ def encode_corpus(
     options: EncodeOptions,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
+    existing=_UNSET,
 ) -> EncodeSummary:
-    """Encode passages into the store at `store_url` (created if missing)."""
+    """Encode passages into the store at `store_url` (created if missing).
+
+    Everything is checked and planned before any model loads; a corpus that is
+    already stored loads no model at all. `progress(0, 0)` is called once when
+    the models are loaded and encoding starts, then `progress(passages, tokens)`
+    after each batch. `existing` is the store already opened by the caller
+    (None: there is none yet)."""
+    from cachegraft_cli.session import check_kinds, open_existing
+
     start = time.perf_counter()
-    store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
-    summary = EncodeSummary(store=store_url)
-    todo = _plan(passages, store, session.template, options, summary)
-    _write(todo, store, session, options, summary, progress)
+    store = open_existing(store_url) if existing is _UNSET else existing
+    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
+    if store is not None:
+        check_kinds(store, options.also_own_cache)
+        _check_codec(store, codec)
+    summary = EncodeSummary(store=store_url, fuser=session.choice.fuser or "closed")
+    todo = _plan(passages, store.content_hashes() if store is not None else {}, session, options, summary)
+    if todo or store is None or not session.names_match(store):  # other models named: load them to check
+        if store is not None:
+            session.check_template(store)
+        store = session.open_or_create_store(store_url, codec, options.also_own_cache)
+        if progress:
+            progress(0, 0)
+        _write(todo, store, session, options, summary, progress)
     summary.seconds = round(time.perf_counter() - start, 3)
     summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
     return summary
 
 
-def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+def _check_codec(store, codec: str) -> None:
+    from cachegraft_cli.store.identity import check
+
+    check(store.loc.url, store.identity, {"codec": codec})
+
+
+def _plan(passages, known: dict, session: ModelSession, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
     """Read and check everything before writing anything; drop what is already stored
-    (same id, same content hash: identical text under two ids is stored twice)."""
-    known = store.content_hashes()
+    (same id, same content hash: identical text under two ids is stored twice). A passage
+    stored whole is recognised by its hash alone; only the others are tokenised."""
+    from cachegraft_cli.store import content_hash_of
+    from cachegraft_cli.template import passage_block
+
     todo: list[Chunk] = []
     seen: set[str] = set()
     for passage in passages:
         summary.passages_read += 1
-        chunks = split_passage(passage, template, options.max_passage_tokens)
+        if known and known.get(passage.id) == content_hash_of(passage_block(passage.title, passage.text)):
+            summary.skipped_existing += 1
+            continue
+        chunks = split_passage(passage, session.template, options.max_passage_tokens)
         summary.chunks_split += len(chunks) - 1
         for chunk in chunks:
             digest = chunk.content_hash
@@ -201,24 +281,6 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)
-        writer.add(_row(chunk), caches)
+        writer.add(chunk.row(), caches)
         summary.added += 1
         summary.tokens += len(chunk.ids)
-
-
-def _row(chunk: Chunk):
-    from cachegraft_cli.store import PassageRow
-
-    p = chunk.passage
-    meta = dict(p.metadata)
-    if chunk.span is not None:
-        meta["char_span"] = list(chunk.span)
-    return PassageRow(
-        id=chunk.id,
-        title=p.title,
-        text=chunk.text,
-        content_hash=chunk.content_hash,
-        metadata=meta,
-        parent_id=p.id if chunk.index is not None else None,
-        chunk_index=chunk.index,
-    )

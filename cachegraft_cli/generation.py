@@ -79,7 +79,7 @@ def stop_ids(lm) -> set[int]:
 
 
 def _find_stop_ids(lm) -> set[int]:
-    ids = set()
+    ids: set[int] = set()
     for source in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -159,11 +159,11 @@ class _Stepper:
         self.lm, self.prompt = lm, prompt
         self.cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
         self.position = prompt.end_position
-        self.mask = None
+        self.mask: torch.Tensor | None = None
 
     def first(self) -> torch.Tensor:
         p, device = self.prompt, self.lm.device
-        kwargs = {}
+        kwargs: dict[str, torch.Tensor] = {}
         if p.visible is not None:
             kwargs["attention_mask"] = additive_mask(p.visible, self.lm.dtype).to(device)
             seen = torch.ones(p.past_tokens + len(p.ids), dtype=torch.long)
@@ -174,7 +174,7 @@ class _Stepper:
     def __call__(self, ids: list[int]) -> torch.Tensor:
         positions = torch.arange(self.position, self.position + len(ids), device=self.lm.device)[None]
         self.position += len(ids)
-        kwargs = {}
+        kwargs: dict[str, torch.Tensor] = {}
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
             kwargs["attention_mask"] = self.mask.to(self.lm.device)
@@ -243,12 +243,14 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
     rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config)
     t_end = time.perf_counter()
     timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
-    return [Generation(out, lm.tokenizer.decode(out, skip_special_tokens=True).strip(), p.question_tokens, dict(timings))
+    decode = lm.tokenizer.decode
+    return [Generation(out, decode(out, skip_special_tokens=True).strip(), p.question_tokens, dict(timings))
             for out, p in zip(rows, prompts)]
 
 
 def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
-    stops, rows = stop_ids(lm), [[] for _ in range(logits.shape[0])]
+    stops = stop_ids(lm)
+    rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     for n in range(config.max_new_tokens):

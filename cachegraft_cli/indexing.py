@@ -40,14 +40,17 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
     t0 = time.perf_counter()
     store = CacheStore.open(store_url)
     if not len(store):
-        raise NoPassagesError(f"Store {store_url} has no passages to index.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
-    index = None if rebuild else _existing(store_url, kind, embedder)
+        raise NoPassagesError(f"Store {store_url} has no passages to index.",
+                              f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+    existing = None if rebuild else _existing(store_url, kind, embedder)
     names = segment_names(store)
-    covered = (index.source or {}).get("segments") if index is not None else None
-    if covered is not None and covered == names[:len(covered)]:
-        added, mode = index.add(store_docs(store, names[len(covered):])), "updated"  # segments are immutable
-    elif index is not None and set(index.ids) <= set(store.ids()):
-        added, mode = index.add(store_docs(store)), "updated"
+    covered = (existing.source or {}).get("segments") if existing is not None else None
+    if existing is not None and covered is not None and covered == names[:len(covered)]:
+        index, mode = existing, "updated"
+        added = index.add(store_docs(store, names[len(covered):]))  # segments are immutable
+    elif existing is not None and set(existing.ids) <= set(store.ids()):
+        index, mode = existing, "updated"
+        added = index.add(store_docs(store))
     else:
         index = build_index(store_docs(store), kind, embedder)
         added, mode = len(index), "built"
@@ -79,3 +82,35 @@ def open_index(store, store_url: str, kind: str | None = None, embedder: str | N
     if (index.source or {}).get("segments") != segment_names(store):  # same segments: same passages
         index.check(store_fingerprint(store), len(store), store_url)
     return index.view(kind) if kind and kind != index.kind else index
+
+
+def index_info(store, store_url: str) -> dict | None:
+    """The store's index as `store info` shows it: kind, passages, bytes on disk, and whether it is
+    stale (built before the last encode: `cachegraft index` adds the rest); None when there is none."""
+    from fsspec.core import url_to_fs
+
+    from cachegraft_cli.errors import RetrievalIndexError
+    from cachegraft_cli.retrieval import load_index
+
+    try:
+        index = load_index(index_path(store_url), store=store_url)
+    except IndexMissingError:
+        return None
+    except RetrievalIndexError as exc:
+        return {"kind": None, "problem": exc.message, "stale": True}
+    fs, root = url_to_fs(index_path(store_url))
+    covered = (index.source or {}).get("segments")
+    if covered is not None and covered == segment_names(store):
+        stale = False
+    else:
+        stale = index.fingerprint != store_fingerprint(store)
+    return {"kind": index.kind, "embedder": index.embedder, "passages": len(index), "store_passages": len(store),
+            "bytes": int(fs.du(root)), "stale": stale}
+
+
+def store_report(store_url: str) -> dict:
+    """`CacheStore.info()` plus the retrieval index (`index_info`)."""
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(store_url)
+    return {**store.info(), "index": index_info(store, store_url)}

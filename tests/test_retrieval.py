@@ -1,5 +1,6 @@
 """Retrieval index: BM25 always; dense/hybrid with a tiny local random model and,
-when CACHEGRAFT_TEST_EMBEDDER names a directory, the real MiniLM."""
+with the real MiniLM when $CACHEGRAFT_TEST_EMBEDDER names its directory or it was pulled
+(`cachegraft models pull all-minilm-l6-v2`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from cachegraft_cli.errors import (
     NoPassagesError,
     RetrievalIndexError,
 )
+from real_models import real_model, reason
+
 from cachegraft_cli.retrieval import (
     Doc,
     Hit,
@@ -35,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
-EMBEDDER = os.environ.get("CACHEGRAFT_TEST_EMBEDDER", "")
+EMBEDDER = real_model("CACHEGRAFT_TEST_EMBEDDER", "all-minilm-l6-v2")
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +223,7 @@ def test_embedder_errors(docs, tiny_embedder, tmp_path):
         load_index(tmp_path / "index", embedder=str(other)).search("bridge", 1)
 
 
-needs_minilm = pytest.mark.skipif(not (EMBEDDER and Path(EMBEDDER).is_dir()),
-                                  reason="CACHEGRAFT_TEST_EMBEDDER does not name a local model directory")
+needs_minilm = pytest.mark.skipif(not EMBEDDER, reason=reason("CACHEGRAFT_TEST_EMBEDDER", "all-minilm-l6-v2"))
 
 
 @pytest.fixture(scope="module")

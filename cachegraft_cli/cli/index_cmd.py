@@ -18,9 +18,11 @@ def index(
     json_out: JsonOpt = False,
 ) -> None:
     """Build or update the retrieval index stored with a store."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.api import index_store
+    from cachegraft_cli.cli.output import showing_status
 
-    summary = build_store_index(store, kind, embedder, rebuild)
+    with showing_status(json_out):  # a dense or hybrid index loads its embedder
+        summary = index_store(store, kind, embedder, rebuild)
     if json_out:
         emit_json(summary)
     else:

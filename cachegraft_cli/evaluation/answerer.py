@@ -59,7 +59,8 @@ class StoreAnswerer:
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
             if not self.config.adapter_fuser:
-                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with --sharer-input zero).")
+                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with "
+                                                                              "--sharer-input zero).")
             return self.config.adapter_fuser
         return self.config.fuser
 

@@ -8,7 +8,6 @@ default, every paragraph of the articles the sampled questions come from
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import random
@@ -177,7 +176,7 @@ def read_squad(path: str) -> tuple[list[QAExample], list[CorpusPassage]]:
     data = _read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise DatasetError(f"{path} is not SQuAD format (no top-level 'data' list).")
-    questions, passages, slugs = [], [], Counter()
+    questions, passages, slugs = [], [], Counter[str]()
     for article in data["data"]:
         raw_title = str(article.get("title", ""))
         slugs[slugify(raw_title)] += 1
@@ -228,7 +227,9 @@ def _as_answers(value) -> list[str]:
 
 def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], list[CorpusPassage]]:
     """Rows with id, question, answers and optional context, title, gold_ids."""
-    questions, passages, seen, per_title = [], [], {}, {}
+    questions, passages = [], []
+    seen: dict[tuple[str, str], str] = {}  # (title, context) -> passage id
+    per_title: dict[str, int] = {}
     for n, row in enumerate(rows):
         if not row.get("question") or row.get("answers") is None:
             raise DatasetError(f"{where}: row {n + 1} lacks 'question' or 'answers'.")

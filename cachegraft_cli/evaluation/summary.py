@@ -131,8 +131,8 @@ def comparisons(answers: list[dict], verdicts: list[dict], config: dict) -> list
             table[(bench, BEST_TEXT, k, judge)] = table.get((bench, label, k, judge), {})
     out = []
     for a, b in _comparison_pairs(config, best):
-        family = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
-        family = [c for c in family if c is not None]
+        compared = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
+        family = [c for c in compared if c is not None]
         for c, p_holm in zip(family, holm([c["p_value"] for c in family])):
             c.update(p_holm=p_holm, significant=_sig(c, c["p_value"]), significant_holm=_sig(c, p_holm))
         out += family
@@ -199,7 +199,8 @@ def summarize(config: dict, answers: list[dict], verdicts: list[dict], pairs: li
     order = _config_order(config)
     return clean({
         "headlines": headlines(rows),
-        "best_text": [{"benchmark": b, "k": k, "system": label} for (b, k), label in sorted(best_text(answers, config).items())],
+        "best_text": [{"benchmark": b, "k": k, "system": label}
+                      for (b, k), label in sorted(best_text(answers, config).items())],
         "systems": sorted(system_scores(answers, config), key=order),
         "judge_scores": sorted(judge_scores(verdicts, config), key=lambda r: (order(r), r["judge"])),
         "judge_agreement": judge_agreement(answers, verdicts),

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cachegraft_cli.errors import UsageError
+from cachegraft_cli.systems import SYSTEMS as BASE_SYSTEMS
 
-BASE_SYSTEMS = ("graft", "text", "cache", "closed", "sharer-text", "adapter")
 # override key -> type of its value
 KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
 BEST_TEXT = "text (best order)"  # per benchmark and k, the text variant with the best EM (then F1)
@@ -35,12 +35,16 @@ def parse_variant(label: str) -> Variant:
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or key not in KEYS:
-            raise UsageError(f"Bad system option {part!r} in {label!r}.",
-                             f"Write SYSTEM@key=value with keys {', '.join(KEYS)}, e.g. text@order=retrieval.")
+            raise UsageError(
+                f"Bad system option {part!r} in {label!r}.",
+                f"Write SYSTEM@key=value with keys {', '.join(KEYS)}, e.g. text@order=retrieval.",
+            )
         try:
             overrides[key] = KEYS[key](value)
         except ValueError:
-            raise UsageError(f"Bad value {value!r} for {key} in {label!r}.", f"{key} takes a {KEYS[key].__name__}.") from None
+            raise UsageError(
+                f"Bad value {value!r} for {key} in {label!r}.", f"{key} takes a {KEYS[key].__name__}."
+            ) from None
     return Variant(label, system, overrides)
 
 

@@ -63,7 +63,9 @@ class Location:
         self.fs.pipe_file(self.path(rel), data)
 
     def write_json_atomic(self, rel: str, obj: Any, compact: bool = False) -> None:
-        data = json.dumps(obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})).encode()
+        data = json.dumps(
+            obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})
+        ).encode()
         self.write_bytes_atomic(rel, data)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:

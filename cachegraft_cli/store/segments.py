@@ -6,9 +6,19 @@ import json
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
-from cachegraft_cli.store.layout import CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.layout import (
+    CONTENT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ROWS,
+    SEGMENTS,
+    now_iso,
+    segment_dir,
+    segment_file,
+    zarr_compressors,
+)
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
+from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_bin, table_to_json
 
 
 def empty_manifest() -> dict:
@@ -21,8 +31,10 @@ def load_manifest(loc: Location) -> dict:
     except FileNotFoundError:
         return empty_manifest()
     except ValueError as exc:
-        raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
-                                hint="Restore it from a backup; segments/*/commit.json list what was committed.") from None
+        raise StoreCorruptError(
+            f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
+            hint="Restore it from a backup; segments/*/commit.json list what was committed.",
+        ) from None
 
 
 def append_to_manifest(loc: Location, entry: dict) -> dict:
@@ -91,6 +103,7 @@ def compressor_for(spec: dict, dtype: str) -> dict:
 def create_array(store, path: str, comp: Component):
     """Metadata only (shape 0); the writer writes whole shards itself and resizes at commit."""
     import zarr
+    from zarr.core.array_spec import ArrayConfigParams
 
     rows_per_chunk, rows_per_shard = chunk_rows(store, comp)
     return zarr.create_array(
@@ -103,7 +116,7 @@ def create_array(store, path: str, comp: Component):
         compressors=zarr_compressors(compressor_for(store.compressor, comp.dtype), comp.dtype),
         fill_value=0,
         overwrite=True,
-        config={"write_empty_chunks": True},
+        config=ArrayConfigParams(write_empty_chunks=True),
     )
 
 

@@ -13,7 +13,14 @@ from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
-    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, now_iso,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_COMPRESSOR,
+    FORMAT_VERSION,
+    PREFIX,
+    ROOT_META,
+    array_path,
+    default_shard_tokens,
+    now_iso,
     rows_file,
 )
 from cachegraft_cli.store.location import Location
@@ -44,7 +51,7 @@ class CacheStore:
         self.rows_file = rows_file(meta.get("format_version", 1))
         names = [s["name"] for s in manifest["segments"]]
         for entry, table in zip(manifest["segments"], segments.load_tables(loc, names, self.rows_file)):
-            self._adopt(entry, table)
+            self.adopt(entry, table)
 
     # -- create / open ----------------------------------------------------------
 
@@ -74,9 +81,14 @@ class CacheStore:
         ident_mod.check(loc.url, meta["identity"], expect)
         return cls(loc, meta, segments.load_manifest(loc))
 
+    @staticmethod
+    def check_exists(url, storage_options: dict | None = None) -> dict:
+        """The store's metadata, read without opening its segments; StoreNotFoundError (with its hint) if none."""
+        return _read_meta(Location.from_url(url, storage_options))
+
     # -- passages ---------------------------------------------------------------
 
-    def _adopt(self, entry: dict, table: SegmentTable) -> None:
+    def adopt(self, entry: dict, table: SegmentTable) -> None:
         """Add one committed segment to this snapshot (on open, and after our own commit)."""
         base = self._bases[-1] + len(self._tables[-1]) if self._tables else 0
         self._entries.append(entry)
@@ -136,6 +148,11 @@ class CacheStore:
         return list(self._entries)
 
     @property
+    def tables(self) -> list[SegmentTable]:
+        """The row tables of the committed segments, in segment order (read-only use)."""
+        return list(self._tables)
+
+    @property
     def token_shape(self) -> tuple[int, ...]:
         g = self.geometry
         return (g["layers"], 2, g["kv_heads"], g["head_dim"])
@@ -163,7 +180,7 @@ class CacheStore:
         found = [self._locate(pid) for pid in ids]
         comps = self.codec.components()
         spans = [self._tables[ti].span(ri) for ti, ri in found]
-        requests = [(self._array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+        requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
                     for (ti, _), span in zip(found, spans) for c in comps]
         flat = _read_ranges(requests)
         out = []
@@ -179,9 +196,12 @@ class CacheStore:
         if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):
             raise StoreCorruptError(
                 f"passage {table.ids[ri]!r} in segment {table.segment}: {kind} cache fails its checksum.",
-                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new store.")
+                hint=f"Run `cachegraft store verify {self.loc.url}`, then re-encode the damaged passages into a new "
+                     "store.",
+            )
 
-    def _array(self, segment: str, kind: str, part: str):
+    def array(self, segment: str, kind: str, part: str):
+        """The zarr array of one segment's cache part (opened once, read lazily)."""
         key = (segment, kind, part)
         if key not in self._arrays:
             self._arrays[key] = segments.open_array(self.zarr_store(), array_path(segment, kind, part))
@@ -227,8 +247,10 @@ def _read_meta(loc: Location) -> dict:
     try:
         root = loc.read_json(ROOT_META)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"no cache store at {loc.url}.",
-                                 hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.") from None
+        raise StoreNotFoundError(
+            f"no cache store at {loc.url}.",
+            hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.",
+        ) from None
     meta = root.get("attributes", {}).get("cachegraft")
     if not meta:
         raise StoreNotFoundError(f"{loc.url} is a zarr group but not a cache store.",
@@ -278,9 +300,12 @@ def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params
     codec = get_codec(ident["codec"], ident["geometry"], codec_params)
     strides = [c.stride for c in codec.components()] + [chunk]
     step = math.lcm(*strides)  # a default shard must hold whole token groups too (int4 key groups)
-    shard = int(shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step)
+    shard = int(
+        shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step
+    )
     if chunk < 1 or any(shard % s for s in strides):
-        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group {strides}.")
+        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group "
+                         f"{strides}.")
     return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
             "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
             "created": now_iso()}

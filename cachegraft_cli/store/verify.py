@@ -19,12 +19,12 @@ def verify(store, progress=None) -> dict:
         if progress:
             progress(done[0], total)
 
-    for table, entry in zip(store._tables, store.segments):
+    for table, entry in zip(store.tables, store.segments):
         problems += _check_table(store, table, entry)
         for kind in store.kinds:
             problems += _check_kind(store, table, kind, advance)
     return {"ok": not problems, "url": store.loc.url, "segments": len(store.segments),
-            "rows": sum(len(t) for t in store._tables), "tokens": total // max(len(store.kinds), 1),
+            "rows": sum(len(t) for t in store.tables), "tokens": total // max(len(store.kinds), 1),
             "problems": problems}
 
 
@@ -50,7 +50,7 @@ def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
     tokens = int(table.tokens.sum())
     try:
-        arrays = {c.name: store._array(table.segment, kind, c.name) for c in comps}
+        arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report
         return [_problem(table, None, kind, None, f"arrays do not open: {exc}")]
     spans = [table.span(i) for i in range(len(table))]
@@ -72,7 +72,9 @@ def _check_kind(store, table, kind, advance) -> list[dict]:
 def _read_block(arr, comp, start, stop, table, spans, kind, damaged) -> np.ndarray:
     lo, hi = comp.rows(start, stop)
     if arr.shape[0] < hi:
-        _mark(table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}", damaged)
+        _mark(
+            table, spans, kind, comp, (arr.shape[0] * comp.stride, stop), f"array ends at row {arr.shape[0]}", damaged
+        )
     try:
         return np.asarray(arr[lo:hi])
     except Exception:  # noqa: BLE001 - localise below, chunk by chunk
@@ -88,7 +90,8 @@ def _salvage(arr, comp, lo, hi, table, spans, kind, damaged) -> np.ndarray:
             out[a - lo: b - lo] = arr[a:b]
         except Exception as exc:  # noqa: BLE001
             tokens = (a * comp.stride, b * comp.stride)
-            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: {exc}", damaged)
+            _mark(table, spans, kind, comp, tokens, f"chunk at tokens [{tokens[0]}, {tokens[1]}) does not decode: "
+                                                    f"{exc}", damaged)
     return out
 
 

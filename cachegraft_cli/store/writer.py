@@ -15,7 +15,15 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
-from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, new_segment_name, now_iso, segment_dir, segment_file
+from cachegraft_cli.store.layout import (
+    COMMIT,
+    CONTENT,
+    array_path,
+    new_segment_name,
+    now_iso,
+    segment_dir,
+    segment_file,
+)
 from cachegraft_cli.store.lock import WriterLock
 from cachegraft_cli.store.rows import PassageRow, build_table, content_columns, content_hash_of
 
@@ -88,13 +96,15 @@ class StoreWriter:
         if not isinstance(row, PassageRow) or not row.id:
             raise UsageError("add() needs a PassageRow with an id.")
         if set(caches) != set(self.store.kinds):
-            raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds {sorted(self.store.kinds)}.")
+            raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds "
+                             f"{sorted(self.store.kinds)}.")
         arrays = {k: np.asarray(caches[k], dtype=np.float32) for k in self.store.kinds}
         want = self.store.token_shape
         lengths = {a.shape[0] if a.ndim == 5 else -1 for a in arrays.values()}
         for kind, a in arrays.items():
             if a.ndim != 5 or a.shape[1:] != want or a.shape[0] < 1:
-                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, {', '.join(map(str, want))}).")
+                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, "
+                                 f"{', '.join(map(str, want))}).")
         if len(lengths) != 1:
             raise UsageError(f"passage {row.id!r}: cache kinds differ in token count.")
         return arrays
@@ -134,7 +144,7 @@ class StoreWriter:
         self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)), data)
 
     def _resize_arrays(self) -> None:
-        for (kind, part), arr in self._arrays.items():
+        for (_kind, part), arr in self._arrays.items():
             comp = next(c for c in self.store.codec.components() if c.name == part)
             arr.resize((comp.rows(0, self._written)[1],) + comp.tail)
 
@@ -162,7 +172,7 @@ class StoreWriter:
         entry = self._entry()
         loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
         segments.append_to_manifest(loc, entry)
-        self.store._adopt(entry, table)
+        self.store.adopt(entry, table)
         return entry
 
     def _entry(self) -> dict:

@@ -22,7 +22,7 @@ class TrainConfig:
     sharer_input: str = "model"
     val_data: list[str] = field(default_factory=list)
     seed: int = 0
-    # fuser shape (DESIGN.md section 3); dtype of the trained weights is float32
+    # fuser shape (docs/method.md section 1); dtype of the trained weights is float32
     hidden_dim: int = 1024
     intermediate_dim: int = 1024
     num_layers: int = 3
@@ -79,7 +79,7 @@ class TrainConfig:
         if not self.data:
             raise TrainingError("No training data given.", "Pass --data FILE (SQuAD JSON, JSONL or .txt), repeatable.")
         if self.num_layers < 2:
-            raise TrainingError("--num-layers must be at least 2 (DESIGN.md section 3).", "Use the default 3.")
+            raise TrainingError("--num-layers must be at least 2 (docs/method.md section 1).", "Use the default 3.")
         if not 0.0 <= self.val_fraction < 1.0:
             raise TrainingError(f"--val-fraction {self.val_fraction} is outside [0, 1).", "Use e.g. 0.1.")
         if self.save_dtype not in ("float32", "bfloat16"):
@@ -94,7 +94,8 @@ class TrainConfig:
             mix = self.passages_per_item = [mix]
         if not mix or min(mix) < 1 or (max(mix) > 1 and self.objective != "qa"):
             raise TrainingError(f"--passages-per-item {','.join(map(str, mix))} needs values >= 1, and > 1 only with "
-                                "--objective qa.", "Use e.g. --objective qa --passages-per-item 1,3,5 to train for asking at k = 1-5.")
+                                "--objective qa.",
+                                "Use e.g. --objective qa --passages-per-item 1,3,5 to train for asking at k = 1-5.")
         if self.distractors not in DISTRACTORS:
             raise TrainingError(f"Unknown distractors {self.distractors!r}.", f"Use one of: {', '.join(DISTRACTORS)}.")
         from cachegraft_cli.assembly import AssemblyOptions

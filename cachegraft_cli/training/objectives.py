@@ -117,7 +117,14 @@ def qa_items(questions, template, passage_len: dict[str, int], max_answer_tokens
         if q.passage not in passage_len:
             continue
         qids = template.question_ids(q.question)
-        items.append(Item(q.passage, passage_len[q.passage], tuple(qids + answer_ids(tok, q.answer, end, max_answer_tokens)), len(qids)))
+        items.append(
+            Item(
+                q.passage,
+                passage_len[q.passage],
+                tuple(qids + answer_ids(tok, q.answer, end, max_answer_tokens)),
+                len(qids),
+            )
+        )
     return items
 
 
@@ -203,7 +210,9 @@ def batch_nll(receiver, fuser, bank, prefix, items: list[Item], zero_sharer: boo
         ids, mask, positions = _plain_inputs(items, lengths, n_prefix, pad)
     cache = kvcache.to_model_cache(past, receiver.model.config)
     base = receiver.model.model if hasattr(receiver.model, "model") else receiver.model
-    hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+    hidden = base(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    ).last_hidden_state
     rows, cols, labels = _scored_positions(items)
     logits = receiver.model.lm_head(hidden[rows, cols]).float()  # LM head only on scored positions
     return F.cross_entropy(logits, labels, reduction="sum"), len(labels)

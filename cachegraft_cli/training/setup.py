@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cachegraft_cli.errors import TrainingError
-from cachegraft_cli.training import data as data_mod
-from cachegraft_cli.training import objectives
+from cachegraft_cli.training import data as data_mod, objectives
 from cachegraft_cli.training.log import say
 
 
@@ -79,11 +78,15 @@ def select_passages(config, template, dataset, val_dataset):
     if val_dataset is not None:
         ids.update({k: template.passage_ids(p.title, p.text) for k, p in val_dataset.passages.items()})
     ok = {k for k, v in ids.items() if 8 <= len(v) <= config.max_passage_tokens}
-    with_q = {q.passage for q in dataset.questions} | ({q.passage for q in val_dataset.questions} if val_dataset else set())
+    with_q = {q.passage for q in dataset.questions} | (
+        {q.passage for q in val_dataset.questions} if val_dataset else set()
+    )
     if config.objective == "qa":
         ok &= with_q
     if val_dataset is None:
-        train, val = data_mod.split_by_passage([k for k in dataset.passages if k in ok], config.val_fraction, config.seed)
+        train, val = data_mod.split_by_passage(
+            [k for k in dataset.passages if k in ok], config.val_fraction, config.seed
+        )
     else:
         train = sorted(k for k in dataset.passages if k in ok)
         random.Random(config.seed).shuffle(train)
