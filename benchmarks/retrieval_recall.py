@@ -5,7 +5,10 @@ them); questions = a seeded sample of its questions; a question's gold passage
 is the paragraph it was asked about. Prints a table, then one JSON line.
 
     python benchmarks/retrieval_recall.py [SQUAD_JSON] [--limit 1000] [--seed 0]
-        [--kinds bm25,dense,hybrid] [--embedder HUB_ID_OR_DIR]
+        [--kinds bm25,dense,hybrid] [--embedder HUB_ID_OR_DIR] [--engines NAME,...]
+
+`--engines` picks the engines (`cachegraft_cli.engines`; defaults: tantivy for
+BM25, usearch for vectors), e.g. `--kinds dense --engines flat` for exact search.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default="bm25,dense,hybrid")
     ap.add_argument("--embedder", default=os.environ.get("CACHEGRAFT_TEST_EMBEDDER") or DEFAULT_EMBEDDER)
+    ap.add_argument("--engines", default="", help="comma-separated engine names (default: the defaults)")
     return ap.parse_args(argv)
 
 
@@ -51,12 +55,13 @@ def recall(index, questions: list[tuple[str, str]]) -> dict[str, float]:
             for k in KS}
 
 
-def run_all(kinds: list[str], passages: list, questions: list, embedder: str) -> dict[str, dict]:
+def run_all(kinds: list[str], passages: list, questions: list, embedder: str,
+            engines: list[str] | None = None) -> dict[str, dict]:
     """One index with every part needed (embedding once), searched as each kind."""
     built = "bm25" if kinds == ["bm25"] else "dense" if "bm25" not in kinds and "hybrid" not in kinds else "hybrid"
     t0 = time.perf_counter()
-    index = build_index(passages, built, embedder=embedder)
-    print(f"built {built} index in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    index = build_index(passages, built, embedder=embedder, engines=engines)
+    print(f"built {built} index ({index.engines}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     results = {}
     for kind in kinds:
         t1 = time.perf_counter()
@@ -79,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         questions = random.Random(args.seed).sample(questions, args.limit)
     print(f"{len(passages)} passages, {len(questions)} questions, embedder {args.embedder}", file=sys.stderr)
     t0 = time.perf_counter()
-    results = run_all(args.kinds.split(","), passages, questions, args.embedder)
+    engines = [e for e in args.engines.split(",") if e] or None
+    results = run_all(args.kinds.split(","), passages, questions, args.embedder, engines)
     print_table(results)
     summary = {"data": Path(args.data).name, "passages": len(passages), "questions": len(questions),
-               "seed": args.seed, "embedder": args.embedder, "total_s": round(time.perf_counter() - t0, 1),
+               "seed": args.seed, "embedder": args.embedder, "engines": engines, "total_s": round(time.perf_counter() - t0, 1),
                "results": results}
     print(json.dumps(summary))
     return 0

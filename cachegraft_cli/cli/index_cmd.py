@@ -29,7 +29,8 @@ def index(
     if json_out:
         emit_json(summary)
     else:
+        engines = ", ".join(summary["engines"].values())
         typer.echo(
-            f"{summary['store']}: {summary['kind']} index ({', '.join(summary['engines'].values())}) {summary['mode']} over {summary['passages']} passages "
-            f"({summary['added']} indexed now) in {summary['seconds']:.1f} s."
+            f"{summary['store']}: {summary['kind']} index ({engines}) {summary['mode']} over {summary['passages']} "
+            f"passages ({summary['added']} indexed now) in {summary['seconds']:.1f} s."
         )
