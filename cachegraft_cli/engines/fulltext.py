@@ -24,6 +24,7 @@ from cachegraft_cli.engines.base import TERMS, Engine, Ranked, empty_ranked
 
 TOKENIZER = "cg_whitespace"
 TEXT, ROW = "terms", "row"
+TIE_MARGIN = 16
 WRITER_HEAP = 128_000_000  # bytes over all writer threads; segments flush when it fills
 
 
@@ -107,11 +108,14 @@ class TantivyEngine(Engine):
         if not terms or k < 1:
             return empty_ranked()
         clauses = [(tantivy.Occur.Should, tantivy.Query.term_query(self._schema, TEXT, t)) for t in terms]
-        hits = self._searcher.search(tantivy.Query.boolean_query(clauses), k, count=False).hits
+        # a few more than k, so that ties are broken by row, not by how rows fell into segments
+        hits = self._searcher.search(tantivy.Query.boolean_query(clauses), k + TIE_MARGIN, count=False).hits
         if not hits:
             return empty_ranked()
-        rows = self._searcher.fast_field_values(ROW, [address for _, address in hits])
-        return np.asarray(rows, np.int64), np.asarray([score for score, _ in hits], np.float32)
+        rows = np.asarray(self._searcher.fast_field_values(ROW, [address for _, address in hits]), np.int64)
+        scores = np.asarray([score for score, _ in hits], np.float32)
+        order = np.lexsort((rows, -scores))[:k]
+        return rows[order], scores[order]
 
     def _writer_now(self):
         if self._writer is None:
