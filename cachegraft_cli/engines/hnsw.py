@@ -2,7 +2,10 @@
 
 usearch keeps each segment in one file (graph + vectors) that opens as a view
 (no parse, no copy), stores vectors as int8 or float16, and takes the rows as
-its keys. Defaults: int8 vectors (a quarter of float32), 16 links per node,
+its keys. The graph's int8 scores only pick candidates (4x k, at least k + 32):
+they are rescored from a float16 copy of the vectors (`vectors.npy`,
+memory-mapped; only the candidates' pages are read), which also makes merges
+lossless. Defaults: int8 vectors in the graph (a quarter of float32), 16 links per node,
 expansion 128 when adding and 512 when searching (on the benchmark's hard
 synthetic vectors 128 lost 2.7 points of recall@5 at 100k, 512 lost 0.1); docs/results.md measures
 their recall against exact search.
@@ -20,6 +23,7 @@ from cachegraft_cli.engines.base import Ranked
 from cachegraft_cli.engines.segments import SegmentedVectors
 
 FILE = "hnsw.usearch"
+VECTORS = "vectors.npy"  # float16, in the order of rows.npy
 DTYPES = ("i8", "f16", "f32")
 
 
@@ -49,6 +53,7 @@ class UsearchEngine(SegmentedVectors):
                       expansion_search=self.params["expansion_search"])
         index.add(rows.astype(np.uint64), vectors, threads=_threads())
         index.save(str(path / FILE))
+        np.save(path / VECTORS, vectors.astype(np.float16))
 
     def open_segment(self, path: Path, rows: np.ndarray) -> Any:
         from usearch.index import Index
@@ -57,15 +62,22 @@ class UsearchEngine(SegmentedVectors):
         if index is None:
             raise ValueError(f"{path / FILE} is not a usearch index")
         index.expansion_search = self.params["expansion_search"]  # not kept in the file
-        return index
+        return index, np.load(path / VECTORS, mmap_mode="r")
 
     def search_segment(self, handle: Any, rows: np.ndarray, queries: np.ndarray, count: int) -> list[Ranked]:
-        matches = handle.search(queries, min(count, len(rows)), threads=_threads())
+        graph, vectors = handle
+        count = min(count, len(rows))
+        matches = graph.search(queries, min(len(rows), max(4 * count, count + 32)), threads=_threads())
         keys = np.atleast_2d(matches.keys).astype(np.int64)
-        scores = (1.0 - np.atleast_2d(matches.distances)).astype(np.float32)  # cosine distance -> similarity
         # one query comes back as `Matches` (already cut to what was found), several as `BatchMatches`
         counts = np.atleast_1d(np.asarray(getattr(matches, "counts", keys.shape[1])))
-        return [(keys[q, :counts[q]], scores[q, :counts[q]]) for q in range(len(queries))]
+        out = []
+        for q in range(len(queries)):
+            found = keys[q, :counts[q]]
+            scores = np.asarray(vectors[np.searchsorted(rows, found)], np.float32) @ queries[q]
+            best = np.lexsort((found, -scores))[:count]
+            out.append((found[best], scores[best]))
+        return out
 
     def segment_vectors(self, handle: Any, rows: np.ndarray) -> np.ndarray:
-        return np.asarray(handle.get(np.asarray(rows, np.uint64), dtype=np.float32), np.float32)
+        return np.asarray(handle[1], np.float32)

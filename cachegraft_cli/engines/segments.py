@@ -1,7 +1,7 @@
 """Vector engines as immutable segments, so appends cost what they append.
 
     <root>/segments.json          {"dim": d, "segments": [{"name", "rows"}]}: replaced atomically, last
-    <root>/<name>/rows.npy        int64 rows of the segment, in its order
+    <root>/<name>/rows.npy        int64 rows of the segment, ascending
     <root>/<name>/...             the engine's own files for those vectors
 
 A commit writes one new segment of the rows put since the last one. A row
@@ -37,7 +37,7 @@ MERGE_FACTOR = 8
 @dataclass
 class Segment:
     name: str
-    rows: np.ndarray  # int64, global rows, in the segment's own order
+    rows: np.ndarray  # int64, global rows, ascending (a vector's position is searchsorted(rows, row))
     handle: Any  # what the engine searches
     dead: int = 0  # rows here that a newer segment holds
 
@@ -151,6 +151,8 @@ class SegmentedVectors(Engine):
         return rows[keep], vectors[keep]
 
     def _build(self, rows: np.ndarray, vectors: np.ndarray) -> Segment:
+        order = np.argsort(rows, kind="stable")
+        rows, vectors = rows[order], vectors[order]
         name = f"seg-{uuid.uuid4().hex[:12]}"
         path = self.root / name
         path.mkdir()
