@@ -3,12 +3,12 @@
 usearch keeps each segment in one file (graph + vectors) that opens as a view
 (no parse, no copy), stores vectors as int8 or float16, and takes the rows as
 its keys. The graph's int8 scores only pick candidates (4x k, at least k + 32):
-they are rescored from a float16 copy of the vectors (`vectors.npy`,
+they are rescored from a float32 copy of the vectors (`vectors.npy`,
 memory-mapped; only the candidates' pages are read), which also makes merges
 lossless. Defaults: int8 vectors in the graph (a quarter of float32), 16 links per node,
-expansion 128 when adding and 512 when searching (on the benchmark's hard
-synthetic vectors 128 lost 2.7 points of recall@5 at 100k, 512 lost 0.1); docs/results.md measures
-their recall against exact search.
+expansion 128 when adding and 512 when searching (before rescoring, on the
+benchmark's synthetic vectors at 100k, 128 lost 2.7 points of recall@5 and
+512 lost 0.1); docs/results.md measures recall against exact search.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cachegraft_cli.engines.base import Ranked
 from cachegraft_cli.engines.segments import SegmentedVectors
 
 FILE = "hnsw.usearch"
-VECTORS = "vectors.npy"  # float16, in the order of rows.npy
+VECTORS = "vectors.npy"  # float32, in the order of rows.npy: rescoring is exact
 DTYPES = ("i8", "f16", "f32")
 
 
@@ -53,7 +53,7 @@ class UsearchEngine(SegmentedVectors):
                       expansion_search=self.params["expansion_search"])
         index.add(rows.astype(np.uint64), vectors, threads=_threads())
         index.save(str(path / FILE))
-        np.save(path / VECTORS, vectors.astype(np.float16))
+        np.save(path / VECTORS, vectors.astype(np.float32, copy=False))
 
     def open_segment(self, path: Path, rows: np.ndarray) -> Any:
         from usearch.index import Index
