@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,7 +143,7 @@ def disk_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def build(name: str, root: Path, data: Data, lo: int, hi: int) -> tuple[float, object]:
+def build(name: str, root: Path, data: Data, lo: int, hi: int) -> tuple[float, Any]:
     """Seconds spent in the engine (put + commit) for rows [lo, hi) of a new engine."""
     from cachegraft_cli import engines
 
@@ -265,7 +266,7 @@ def run_size(n: int, names: list[str], data: Data, args: argparse.Namespace) -> 
         root = work / name
         seconds, engine = build(name, root, data, 0, n)
         params = engine.commit()
-        row = {"build_s": seconds, "disk_bytes": disk_bytes(root)}
+        row: dict[str, Any] = {"build_s": seconds, "disk_bytes": disk_bytes(root)}
         row.update(measure_in_child(name, root, params, query_files[takes], work))
         log(f"n={n}: {name} appends")
         row.update(appends(name, engine, data, n, args, work))
