@@ -139,3 +139,13 @@ def test_a_missing_block_file_is_a_typed_error_and_index_rebuilds(url):
         indexing.open_index(CacheStore.open(url), url)
     assert indexing.build_store_index(url)["mode"] == "built"
     assert [h.id for h in indexing.open_index(CacheStore.open(url), url).search("amber falcon", 1)] == ["p0"]
+
+
+def test_index_kind_views_what_the_index_has(url):
+    from cachegraft_cli.errors import RetrievalIndexError
+
+    indexing.build_store_index(url)
+    store = CacheStore.open(url)
+    assert [h.id for h in indexing.open_index(store, url, "bm25").search("amber falcon", 1)] == ["p0"]
+    with pytest.raises(RetrievalIndexError, match="cannot be searched as 'dense'"):
+        indexing.open_index(store, url, "dense")  # what `ask --index-kind dense` gets on a BM25 index
