@@ -12,7 +12,7 @@ lengths) over the same tokens: what the hand-written BM25 before engines
 scored (its tests checked it equal to bm25s), and reports how often the
 BM25 engine's top-k lists equal it.
 
-`--engines` picks the engines (`cachegraft_cli.engines`; defaults: tantivy for
+`--engines` picks the engines (`cachegraft_cli.indexes`; defaults: tantivy for
 BM25, usearch for vectors), e.g. `--kinds dense --engines flat` for exact search.
 """
 

@@ -145,7 +145,7 @@ def disk_bytes(root: Path) -> int:
 
 def build(name: str, root: Path, data: Data, lo: int, hi: int) -> tuple[float, Any]:
     """Seconds spent in the engine (put + commit) for rows [lo, hi) of a new engine."""
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     shutil.rmtree(root, ignore_errors=True)
     engine = engines.create(name, root)
@@ -172,7 +172,7 @@ def append(engine, data: Data, lo: int, hi: int) -> float:
 def appends(name: str, engine, data: Data, n: int, args: argparse.Namespace, work: Path) -> dict:
     """The same new rows appended to the big engine and to an empty one, alternating;
     every repeat appends further rows to the big one (medians)."""
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     big, empty = [], []
     for repeat in range(args.repeats):
@@ -200,7 +200,7 @@ def measure_in_child(name: str, root: Path, params: dict, queries_file: Path, wo
 
 def child(name: str, root: str, queries_file: str, out: str) -> int:
     """Open one engine in this fresh process, query it, report time and memory."""
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     cls = engines.engine_class(name)
     if cls.takes == "terms":
@@ -252,7 +252,7 @@ def overlap(rows: list[list[int]], exact: list[list[int]]) -> float:
 
 
 def run_size(n: int, names: list[str], data: Data, args: argparse.Namespace) -> dict[str, dict]:
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     work = Path(args.work) / f"n{n}"
     work.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 This layer owns what every engine shares: passage ids and content hashes by
 row, the tokeniser, the embedding model, hybrid fusion, and the files. The
-search itself is an engine's (`cachegraft_cli.engines`): `tantivy` for BM25,
+search itself is an engine's (`cachegraft_cli.indexes`): `tantivy` for BM25,
 `usearch` (HNSW, default) or `flat` (exact) for vectors.
 
 - BM25 over title + text. Tokens: lowercase words of 2+ word characters
@@ -166,7 +166,7 @@ def load_embedder(name: str):
 def resolve_engines(kind: str, names: Sequence[str] | None = None) -> dict[str, str]:
     """part ("terms" / "vectors") -> engine name for an index kind: the given names
     where they fit a part of the kind, the defaults elsewhere."""
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     if kind not in KINDS:
         raise RetrievalIndexError(f"unknown index kind {kind!r}", f"Use one of: {', '.join(KINDS)}.")
@@ -188,7 +188,7 @@ def _import_failure(name: str, err: ImportError) -> RetrievalIndexError:
 
 
 def _create_engine(name: str, root: Path):
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     try:
         return engines.create(name, root)
@@ -197,7 +197,7 @@ def _create_engine(name: str, root: Path):
 
 
 def _open_engine(name: str, root: Path, params: dict, index_path: str, store: str):
-    from cachegraft_cli import engines
+    from cachegraft_cli import indexes as engines
 
     try:
         return engines.open_engine(name, root, params)
@@ -411,10 +411,10 @@ def build_index(
     """Index docs (anything with id, title, text and optionally content_hash).
     `stem=None` stems when PyStemmer is installed; `embedder` defaults to
     DEFAULT_EMBEDDER for dense/hybrid; `engines` names engines for the kind's
-    parts (defaults: `cachegraft_cli.engines.DEFAULTS`). The engines work in a
+    parts (defaults: `cachegraft_cli.indexes.DEFAULTS`). The engines work in a
     temporary directory, next to the local path `near` when given (so saving
     there links files instead of copying them)."""
-    from cachegraft_cli.engines.files import Home
+    from cachegraft_cli.indexes.files import Home
 
     chosen = resolve_engines(kind, engines)
     if not docs:
@@ -431,7 +431,7 @@ def build_index(
 def load_index(path: str, *, embedder: str | None = None, store: str | None = None) -> RetrievalIndex:
     """Open a saved index. `embedder` overrides the recorded model (e.g. the
     same model at another local path); `store` is only used in hints."""
-    from cachegraft_cli.engines.files import Home
+    from cachegraft_cli.indexes.files import Home
 
     store = store or _store_of(str(path))
     home = Home.open(str(path))

@@ -7,8 +7,8 @@ import json
 import numpy as np
 from engine_suite import DIM, LexicalEngineTests, VectorEngineTests
 
-from cachegraft_cli import engines
-from cachegraft_cli.engines import segments
+from cachegraft_cli import indexes as engines
+from cachegraft_cli.indexes import segments
 
 
 class TestTantivy(LexicalEngineTests):

@@ -189,7 +189,7 @@ def test_bad_build_inputs(docs):
 
 
 def test_import_is_light():
-    code = ("import sys, cachegraft_cli.retrieval, cachegraft_cli.corpus, cachegraft_cli.engines; "
+    code = ("import sys, cachegraft_cli.retrieval, cachegraft_cli.corpus, cachegraft_cli.indexes; "
             "print([m for m in ('torch', 'bm25s', 'sentence_transformers', 'tantivy', 'usearch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

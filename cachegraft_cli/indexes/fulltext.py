@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cachegraft_cli.engines.base import TERMS, Engine, Ranked, empty_ranked
+from cachegraft_cli.indexes.base import TERMS, Engine, Ranked, empty_ranked
 
 TOKENIZER = "cg_whitespace"
 TEXT, ROW = "terms", "row"

@@ -16,12 +16,12 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from cachegraft_cli.engines.base import TERMS, VECTORS, Engine
+from cachegraft_cli.indexes.base import TERMS, VECTORS, Engine
 
 _CLASSES = {
-    "tantivy": ("cachegraft_cli.engines.fulltext", "TantivyEngine", TERMS),
-    "usearch": ("cachegraft_cli.engines.hnsw", "UsearchEngine", VECTORS),
-    "flat": ("cachegraft_cli.engines.flat", "FlatEngine", VECTORS),
+    "tantivy": ("cachegraft_cli.indexes.fulltext", "TantivyEngine", TERMS),
+    "usearch": ("cachegraft_cli.indexes.hnsw", "UsearchEngine", VECTORS),
+    "flat": ("cachegraft_cli.indexes.flat", "FlatEngine", VECTORS),
 }
 DEFAULTS = {TERMS: "tantivy", VECTORS: "usearch"}
 NAMES = tuple(_CLASSES)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cachegraft_cli.engines.base import VECTORS, Engine, Ranked, empty_ranked
+from cachegraft_cli.indexes.base import VECTORS, Engine, Ranked, empty_ranked
 
 MANIFEST = "segments.json"
 MERGE_FACTOR = 8

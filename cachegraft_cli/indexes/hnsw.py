@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from cachegraft_cli.engines.base import Ranked
-from cachegraft_cli.engines.segments import SegmentedVectors
+from cachegraft_cli.indexes.base import Ranked
+from cachegraft_cli.indexes.segments import SegmentedVectors
 
 FILE = "hnsw.usearch"
 VECTORS = "vectors.npy"  # float32, in the order of rows.npy: rescoring is exact

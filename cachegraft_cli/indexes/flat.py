@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from cachegraft_cli.engines.base import Ranked
-from cachegraft_cli.engines.segments import SegmentedVectors
+from cachegraft_cli.indexes.base import Ranked
+from cachegraft_cli.indexes.segments import SegmentedVectors
 
 SCORE_BLOCK = 1 << 24  # scores held at once (queries x segment rows): 64 MB
 
