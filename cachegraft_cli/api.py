@@ -160,9 +160,10 @@ class Store:
         self._refresh()
         return summary
 
-    def index(self, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
+    def index(self, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
+              engines: list[str] | None = None) -> dict:
         """Build or update the store's retrieval index (see `index_store`)."""
-        summary = index_store(self.path, kind, embedder, rebuild)
+        summary = index_store(self.path, kind, embedder, rebuild, engines)
         self._refresh()
         return summary
 
@@ -225,12 +226,14 @@ def encode_passages(
     return summary
 
 
-def index_store(store: str | Path, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
+def index_store(store: str | Path, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
+                engines: list[str] | None = None) -> dict:
     """Build the store's retrieval index, or add the passages encoded since (`kind`: bm25,
-    dense or hybrid; `embedder`: a sentence-transformers model for dense/hybrid)."""
+    dense or hybrid; `embedder`: a sentence-transformers model for dense/hybrid; `engines`:
+    tantivy, usearch or flat for its parts, default the existing index's or tantivy + usearch)."""
     from cachegraft_cli.indexing import build_store_index
 
-    return build_store_index(str(store), kind, embedder, rebuild)
+    return build_store_index(str(store), kind, embedder, rebuild, engines=engines)
 
 
 def answer(question: str, store: str | Path, **options: Any) -> Answer:

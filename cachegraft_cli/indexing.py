@@ -1,6 +1,7 @@
 """The retrieval index of a store: where it lives, building it, opening it.
 
-The index is kept in `<store>/index/` and records the fingerprint of the
+The index is kept in `<store>/index/` (any URL the store has; see
+`engines/files.py` for remote ones) and records the fingerprint of the
 passage set it covers; an index that does not match the store is refused.
 """
 
@@ -31,18 +32,20 @@ def store_fingerprint(store) -> str:
     return passage_fingerprint(store.content_hashes().items())
 
 
-def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
-    """Build the index, or bring an existing one of the same kind up to date
-    (only passages added since are tokenised / embedded)."""
-    from cachegraft_cli.retrieval import build_index
+def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
+                      engines: list[str] | None = None) -> dict:
+    """Build the index, or bring an existing one of the same kind (and engines,
+    when named) up to date (only passages added since are tokenised / embedded)."""
+    from cachegraft_cli.retrieval import build_index, resolve_engines
     from cachegraft_cli.store import CacheStore
 
     t0 = time.perf_counter()
+    chosen = resolve_engines(kind, engines)  # bad names fail before the store is read
     store = CacheStore.open(store_url)
     if not len(store):
         raise NoPassagesError(f"Store {store_url} has no passages to index.",
                               f"Run `cachegraft encode CORPUS --store {store_url}` first.")
-    existing = None if rebuild else _existing(store_url, kind, embedder)
+    existing = None if rebuild else _existing(store_url, kind, embedder, chosen if engines else None)
     names = segment_names(store)
     covered = (existing.source or {}).get("segments") if existing is not None else None
     if existing is not None and covered is not None and covered == names[:len(covered)]:
@@ -52,15 +55,17 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
         index, mode = existing, "updated"
         added = index.add(store_docs(store))
     else:
-        index = build_index(store_docs(store), kind, embedder)
+        index = build_index(store_docs(store), kind, embedder, engines=list(chosen.values()),
+                            near=index_path(store_url))
         added, mode = len(index), "built"
     index.source = {"segments": names}
     index.save(index_path(store_url))
-    return {"store": store_url, "kind": index.kind, "embedder": index.embedder, "passages": len(index),
+    return {"store": store_url, "kind": index.kind, "engines": index.engines, "embedder": index.embedder,
+            "passages": len(index),
             "added": added, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _existing(store_url: str, kind: str, embedder: str | None):
+def _existing(store_url: str, kind: str, embedder: str | None, engines: dict[str, str] | None):
     from cachegraft_cli.errors import RetrievalIndexError
     from cachegraft_cli.retrieval import load_index
 
@@ -71,7 +76,8 @@ def _existing(store_url: str, kind: str, embedder: str | None):
     except RetrievalIndexError:
         return None  # unreadable or old: rebuild from scratch
     same_model = embedder is None or index.embedder in (None, embedder)
-    return index if index.kind == kind and same_model else None
+    same_engines = engines is None or index.engines == engines  # unnamed: keep the index's own
+    return index if index.kind == kind and same_model and same_engines else None
 
 
 def open_index(store, store_url: str, kind: str | None = None, embedder: str | None = None):

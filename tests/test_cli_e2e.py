@@ -150,7 +150,13 @@ def test_error_exit_codes(tiny_dirs, tmp_path, capsys, monkeypatch):
     # missing index
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store)
     assert code == 9 and "cachegraft index --store" in err and "Traceback" not in err
-    run(capsys, monkeypatch, "index", "--store", store)
+    # an engine the kind has no part for, or an unknown one: refused before the store is read
+    code, _, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "flat")
+    assert code == 9 and "engine 'flat' searches vectors" in err and "Traceback" not in err
+    code, _, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "lucene")
+    assert code == 9 and "Use one of: tantivy, usearch, flat" in err
+    code, out, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "tantivy", "--json")
+    assert code == 0 and json.loads(out)["engines"] == {"terms": "tantivy"}, err
     # no passage retrieved
     code, _, err = run(capsys, monkeypatch, "ask", "zzqx vvbnm", "--store", store)
     assert code == 10 and "No passage matched" in err
