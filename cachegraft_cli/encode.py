@@ -51,6 +51,9 @@ class EncodeSummary:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def finish(self) -> None:
+        self.bytes_per_token = round(self.bytes / self.tokens, 2) if self.tokens else 0.0
+
 
 @dataclass
 class Chunk:
@@ -73,6 +76,22 @@ class Chunk:
     @property
     def id(self) -> str:
         return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
+
+    def to_record(self) -> dict:
+        """A plain-JSON form, to hand a planned chunk to another process (a Ray actor).
+
+        The passage's full text is not carried: a chunk's row needs only its own piece."""
+        p = self.passage
+        return {"id": p.id, "title": p.title, "metadata": p.metadata, "source": p.source, "line": p.line,
+                "text": self.text, "ids": self.ids, "block": self.block, "index": self.index,
+                "span": list(self.span) if self.span is not None else None}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Chunk":
+        passage = Passage(record["id"], record["title"], record["text"], record["metadata"], record["source"],
+                          record["line"])
+        span = tuple(record["span"]) if record["span"] is not None else None
+        return cls(passage, record["text"], list(record["ids"]), record["block"], record["index"], span)
 
 
 def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
@@ -137,14 +156,14 @@ def encode_corpus(
     start = time.perf_counter()
     store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
     summary = EncodeSummary(store=store_url)
-    todo = _plan(passages, store, session.template, options, summary)
+    todo = plan_chunks(passages, store, session.template, options, summary)
     _write(todo, store, session, options, summary, progress)
     summary.seconds = round(time.perf_counter() - start, 3)
-    summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
+    summary.finish()
     return summary
 
 
-def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+def plan_chunks(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
     """Read and check everything before writing anything; drop what is already stored
     (same id, same content hash: identical text under two ids is stored twice)."""
     known = store.content_hashes()
@@ -174,19 +193,35 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
+def commit_windows(todo: list[Chunk], options: EncodeOptions) -> list[list[Chunk]]:
+    """The planned chunks cut into commit windows: one segment each, whatever engine writes them."""
+    return [todo[i : i + options.commit_every] for i in range(0, len(todo), options.commit_every)]
+
+
+def run_info(window: list[Chunk], engine: str = "local") -> dict:
+    info = {"tool": "cachegraft encode", "passages": len(window)}
+    return info if engine == "local" else {**info, "engine": engine}
+
+
 def _write(todo: list[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress) -> None:
     """Encode in commit windows; each window is one segment, visible once committed."""
-    for window_start in range(0, len(todo), options.commit_every):
-        window = todo[window_start : window_start + options.commit_every]
-        with store.writer({"tool": "cachegraft encode", "passages": len(window)}) as writer:
-            for batch in _batches(window, options.batch_size):
-                _encode_batch(batch, writer, session, options, summary)
-                if progress:
-                    progress(len(batch), sum(len(c.ids) for c in batch))
+    for window in commit_windows(todo, options):
+        with store.writer(run_info(window)) as writer:
+            encode_window(window, writer, session, options, summary, progress)
             entry = writer.commit()
         if entry:
             summary.segments.append(entry["name"])
             summary.bytes += sum(entry["bytes"].values())
+
+
+def encode_window(window: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary,
+                  progress=None) -> None:
+    """Fuse one window's chunks into `writer` (not committed), in the local engine's batches:
+    the same window always gives the same batches, so the same bits on the same hardware."""
+    for batch in _batches(window, options.batch_size):
+        _encode_batch(batch, writer, session, options, summary)
+        if progress:
+            progress(len(batch), sum(len(c.ids) for c in batch))
 
 
 def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:

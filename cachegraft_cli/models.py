@@ -117,6 +117,15 @@ def load_causal_lm(
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
 
 
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer `load_causal_lm` would give, without loading any weights (for planning on a CPU driver)."""
+    source, gguf, kind = resolve_source(spec)
+    kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    return _load(lambda: _auto_tokenizer(source, kwargs), spec, kind)
+
+
 def _quiet_transformers() -> None:
     """Weight-loading progress bars would clutter stderr on every command."""
     from transformers.utils import logging

@@ -125,13 +125,18 @@ class ModelSession:
             existing = CacheStore.open(url).kinds
         except StoreNotFoundError:
             existing = ()
-        if existing and not set(kinds) <= set(existing):
-            raise StoreMismatchError(
-                f"Store {url} was made without own caches, so --also-own-cache cannot add them now.",
-                "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
-            )
+        check_own_cache(url, existing, also_own_cache)
         prefix = kvcache.to_token_major(self.engine().prefix_kv())
         return CacheStore.create(url, self.identity(codec), prefix, existing or kinds)
+
+
+def check_own_cache(url: str, existing: tuple, also_own_cache: bool) -> None:
+    """Own caches can only be kept from a store's start (`existing`: its kinds, empty when it is new)."""
+    if existing and also_own_cache and "own" not in existing:
+        raise StoreMismatchError(
+            f"Store {url} was made without own caches, so --also-own-cache cannot add them now.",
+            "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
+        )
 
 
 def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:

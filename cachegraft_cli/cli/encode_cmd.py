@@ -32,6 +32,11 @@ def encode(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
+    engine: Annotated[str, typer.Option(help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
+    address: Annotated[Optional[str], typer.Option(help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
+    actors: Annotated[Optional[int], typer.Option(min=1, help="Ray: fusing actors; each loads the models once (default 1).")] = None,
+    gpus_per_actor: Annotated[Optional[float], typer.Option(min=0.0, help="Ray: GPUs per actor; 0.5 puts two actors on a GPU (default 0).")] = None,
+    cpus_per_actor: Annotated[Optional[float], typer.Option(min=0.01, help="Ray: CPUs per actor, for compressing and writing (default 1).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
@@ -40,6 +45,7 @@ def encode(
     from cachegraft_cli.progress import EncodeProgress
     from cachegraft_cli.session import ModelChoice, ModelSession
 
+    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor)
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
                          skip_bad=skip_bad, format=fmt)
     passages = list(reader)  # read and check everything before any model loads or anything is written
@@ -49,13 +55,40 @@ def encode(
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
     with EncodeProgress(len(passages)) as bar:
-        summary = encode_corpus(passages, store, ModelSession(choice), options, progress=bar)
+        if ray_options is None:
+            summary = encode_corpus(passages, store, ModelSession(choice), options, progress=bar)
+        else:
+            from cachegraft_cli.engines.ray_engine import encode_on_ray
+
+            summary = encode_on_ray(passages, store, choice, options, ray_options, progress=bar)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     if json_out:
         emit_json(summary.as_dict())
     else:
         _print(summary)
+
+
+def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor):
+    """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
+    from cachegraft_cli.engines import ENGINES
+    from cachegraft_cli.errors import UsageError
+
+    if engine not in ENGINES:
+        raise UsageError(f"unknown --engine {engine!r}.", f"Use one of: {', '.join(ENGINES)}.")
+    given = {"--address": address, "--actors": actors, "--gpus-per-actor": gpus_per_actor,
+             "--cpus-per-actor": cpus_per_actor}
+    if engine == "local":
+        flags = [flag for flag, value in given.items() if value is not None]
+        if flags:
+            raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
+        return None
+    from cachegraft_cli.engines.ray_engine import RayOptions, require_ray
+
+    options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
+                         cpus_per_actor=cpus_per_actor or 1.0)
+    require_ray()  # before the corpus is read or anything loads
+    return options
 
 
 def _print(s) -> None:

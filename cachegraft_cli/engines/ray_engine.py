@@ -1,0 +1,306 @@
+"""`encode --engine ray`: the same store as the local engine, fused by a pool of Ray actors.
+
+The driver (this process) plans exactly as the local engine does: read and
+check the corpus, split long passages, skip what the store holds (same id,
+same content hash), cut the rest into commit windows. Only a tokenizer loads
+here, so the driver can be a CPU-only head node. Then:
+
+1. a missing store is created by one Ray task where the models load (prefix
+   cache and identity exactly as `encode` makes them);
+2. the driver takes the store's writer lock for the whole job and deletes
+   segments nobody lists (left by killed jobs);
+3. the windows become a Ray dataset, one block per window, and `map_batches`
+   runs `FuseWriter` on an actor pool: each actor loads the models once and
+   writes each window as one complete, unlisted segment (`SegmentWriter`);
+4. as segments finish, the driver lists them (`commit_segments`) in plan order,
+   at most every `commit_seconds`, and everything left at the end in one final
+   atomic commit.
+
+Same windows, same batches: a window fused by an actor gives the bits the
+local engine gives on the same hardware. Retries are safe: a task Ray retries
+or a worker that dies leaves an unlisted segment (garbage), the ledger never
+lists one plan position twice, and a job re-run after a crash skips every
+committed passage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encode import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
+from cachegraft_cli.engines.ledger import SegmentLedger, SegmentReport
+from cachegraft_cli.errors import CacheGraftError, EngineError, StoreMismatchError, StoreNotFoundError, UsageError
+from cachegraft_cli.session import ModelChoice, check_own_cache
+
+RETRIED_ERRORS = [OSError]  # transient IO (object stores, network filesystems); dead actors are retried anyway
+
+
+@dataclass
+class RayOptions:
+    address: str | None = None  # None: RAY_ADDRESS if set, else a new local Ray runtime
+    actors: int = 1
+    gpus_per_actor: float = 0.0
+    cpus_per_actor: float = 1.0
+    max_retries: int = 3  # per window task
+    commit_seconds: float = 10.0  # list finished segments at most this often (the last commit is always made)
+
+    def __post_init__(self):
+        if self.actors < 1:
+            raise UsageError(f"--actors must be at least 1, not {self.actors}.")
+        if self.gpus_per_actor < 0 or self.cpus_per_actor <= 0:
+            raise UsageError("--gpus-per-actor must be >= 0 and --cpus-per-actor > 0.",
+                             "Fractions share a device: --gpus-per-actor 0.5 puts two actors on each GPU.")
+        if self.max_retries < 0:
+            raise UsageError(f"max_retries must be >= 0, not {self.max_retries}.")
+
+
+def require_ray():
+    """The ray module, or a clear error when the optional extra is not installed."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise UsageError("--engine ray needs Ray, which is not installed.",
+                         "Install it with: pip install 'cachegraft[ray]' (and 'cachegraft[s3]' for s3:// stores).") from None
+    return ray
+
+
+def encode_on_ray(
+    passages: Iterable[Passage],
+    store_url: str,
+    choice: ModelChoice,
+    options: EncodeOptions,
+    ray_options: RayOptions,
+    progress: Callable[[int, int], None] | None = None,
+    worker: type | None = None,
+) -> EncodeSummary:
+    """Encode passages into the store at `store_url` on a Ray cluster (`worker`: the actor class, for tests)."""
+    from cachegraft_cli.engines.ray_worker import FuseWriter
+
+    ray = require_ray()
+    _check_devices(choice, ray_options)
+    start = time.perf_counter()
+    with _connected(ray, ray_options), _quiet_ray_data():
+        store = _open_or_create(ray, choice, store_url, options, ray_options)
+        template = driver_template(choice, store, options)
+        summary = _run_locked(ray, passages, store, template, choice, options, ray_options, progress,
+                              worker or FuseWriter)
+    summary.seconds = round(time.perf_counter() - start, 3)
+    summary.finish()
+    return summary
+
+
+def _check_devices(choice: ModelChoice, ray_options: RayOptions) -> None:
+    if ray_options.gpus_per_actor > 0 and (choice.device or "").startswith(("cpu", "mps")):
+        raise UsageError(f"--gpus-per-actor {ray_options.gpus_per_actor:g} asks for GPUs but --device is {choice.device}.",
+                         "Drop --device (each actor uses the GPU Ray gives it), or use --gpus-per-actor 0.")
+
+
+# -- the cluster ------------------------------------------------------------------
+
+
+@contextmanager
+def _connected(ray, ray_options: RayOptions):
+    """Join the cluster (or start a local runtime); leave a runtime someone else started running."""
+    if ray.is_initialized():
+        yield
+        return
+    try:
+        ray.init(address=ray_options.address, logging_level=logging.WARNING, include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = ray_options.address or "RAY_ADDRESS / a new local runtime"
+        raise EngineError(f"could not start or join a Ray cluster at {where}: {str(exc).splitlines()[0]}",
+                          "Start one with `ray start --head` and pass --address HOST:6379, "
+                          "or leave --address out to run a local Ray runtime.") from None
+    try:
+        if ray_options.address is None and not os.environ.get("RAY_ADDRESS"):
+            _check_resources(ray, ray_options)  # a local runtime has what it has; a cluster may scale up
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _check_resources(ray, ray_options: RayOptions) -> None:
+    """A pool that can never start would wait forever: refuse it up front."""
+    have = ray.cluster_resources()
+    if ray_options.gpus_per_actor > have.get("GPU", 0):
+        raise EngineError(f"the Ray cluster has {have.get('GPU', 0):g} GPUs, but --gpus-per-actor is "
+                          f"{ray_options.gpus_per_actor:g}.", "Join a cluster with GPU nodes (--address), or use --gpus-per-actor 0.")
+    if ray_options.cpus_per_actor > have.get("CPU", 0):
+        raise EngineError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, but --cpus-per-actor is "
+                          f"{ray_options.cpus_per_actor:g}.", "Use a smaller --cpus-per-actor.")
+
+
+@contextmanager
+def _quiet_ray_data():
+    """Progress goes through our own callback; Ray Data's bars and per-run log lines would drown it."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    saved = ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.actor_task_retry_on_errors
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
+    ctx.actor_task_retry_on_errors = list(RETRIED_ERRORS)
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.actor_task_retry_on_errors = saved
+        logger.setLevel(level)
+
+
+# -- the store ----------------------------------------------------------------------
+
+
+def _open_or_create(ray, choice: ModelChoice, store_url: str, options: EncodeOptions, ray_options: RayOptions):
+    """The store; a missing one is made by a task where the models load (the driver loads none)."""
+    from cachegraft_cli.engines.ray_worker import create_store
+    from cachegraft_cli.store import CacheStore
+
+    try:
+        store = CacheStore.open(store_url)
+    except StoreNotFoundError:
+        task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
+        _ray_get(ray, task(create_store).remote(choice, store_url, options.codec, options.also_own_cache))
+        return CacheStore.open(store_url)
+    check_own_cache(store_url, store.kinds, options.also_own_cache)
+    return store
+
+
+def driver_template(choice: ModelChoice, store, options: EncodeOptions):
+    """The prompt template from the receiver's tokenizer alone, checked against the store's."""
+    from cachegraft_cli.models import load_tokenizer
+    from cachegraft_cli.template import PromptTemplate
+
+    template = PromptTemplate.for_tokenizer(load_tokenizer(choice.receiver, trust_remote_code=choice.trust_remote_code),
+                                            choice.instruction)
+    stored = store.identity
+    for key, mine in (("codec", options.codec), ("template", template.identity()),
+                      ("prefix_token_ids", template.prefix_ids())):
+        if stored.get(key) != mine:
+            raise StoreMismatchError(f"store {store.loc.url} was made with another {key} than this encode asks for.",
+                                     f"Use another --store, or the models and settings it was made with "
+                                     f"(see `cachegraft store info {store.loc.url}`).")
+    return template
+
+
+def _run_locked(ray, passages, store, template, choice, options, ray_options, progress, worker) -> EncodeSummary:
+    from cachegraft_cli.store import CacheStore, segments
+    from cachegraft_cli.store.lock import WriterLock
+
+    lock = WriterLock(store.loc, {"tool": "cachegraft encode", "engine": "ray"}).acquire()
+    try:
+        segments.collect_garbage(store.loc)
+        store = CacheStore.open(store.loc.url, storage_options=store.loc.storage_options)  # the snapshot under the lock
+        summary = EncodeSummary(store=store.loc.url)
+        windows = commit_windows(plan_chunks(passages, store, template, options, summary), options)
+        if windows:
+            _fuse_windows(ray, windows, store, choice, options, ray_options, summary, progress, worker)
+        return summary
+    finally:
+        lock.release()
+
+
+# -- the job ---------------------------------------------------------------------
+
+
+def _fuse_windows(ray, windows: list[list[Chunk]], store, choice, options, ray_options, summary, progress, worker):
+    from ray.data import ActorPoolStrategy
+
+    planned = sum(len(w) for w in windows)
+    committer = _Committer(store.loc, SegmentLedger(planned), ray_options.commit_seconds, summary, progress)
+    results = _dataset(ray, windows).map_batches(
+        worker, batch_size=None, batch_format="numpy", compute=ActorPoolStrategy(size=ray_options.actors),
+        num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor,
+        fn_constructor_kwargs={"choice": choice, "store_url": store.loc.url, "options": options},
+        max_task_retries=ray_options.max_retries)
+    try:
+        for row in results.iter_rows():
+            committer.add(SegmentReport(json.loads(row["seqs"]), json.loads(row["entry"])))
+    except BaseException as exc:
+        committer.flush(final=True)  # keep what finished in order: a re-run skips it
+        if isinstance(exc, Exception):
+            raise _engine_error(exc) from None
+        raise
+    committer.flush(final=True)
+    if not committer.ledger.complete:
+        raise EngineError(f"the Ray job ended with {committer.ledger.missing} planned passages in no segment.",
+                          "Run the same encode again: what is stored is skipped, the rest is redone.")
+
+
+def _dataset(ray, windows: list[list[Chunk]]):
+    """One block per commit window, so each window reaches one actor call whole."""
+    import pyarrow as pa
+
+    tables, seq = [], 0
+    for w, window in enumerate(windows):
+        seqs = list(range(seq, seq + len(window)))
+        seq += len(window)
+        tables.append(pa.table({"window": [w] * len(window), "seq": seqs,
+                                "chunk": [json.dumps(c.to_record(), ensure_ascii=False) for c in window]}))
+    return ray.data.from_arrow(tables)
+
+
+class _Committer:
+    """Lists finished segments in plan order, throttled; counts what they hold."""
+
+    def __init__(self, loc, ledger: SegmentLedger, every: float, summary: EncodeSummary, progress):
+        self.loc, self.ledger, self.every = loc, ledger, every
+        self.summary, self.progress = summary, progress
+        self.last: float | None = None
+
+    def add(self, report: SegmentReport) -> None:
+        if not self.ledger.accept(report):
+            return  # a second run of a finished window: its segment stays unlisted, garbage for the next writer
+        if self.progress:
+            self.progress(report.entry["rows"], report.entry["tokens"])
+        self.flush(final=False)
+
+    def flush(self, final: bool) -> None:
+        now = time.monotonic()
+        if not final and self.last is not None and now - self.last < self.every:
+            return
+        ready = self.ledger.ready()
+        if not ready:
+            return
+        from cachegraft_cli.store.parallel import commit_segments
+
+        commit_segments(self.loc, [r.entry for r in ready])
+        self.last = now
+        for r in ready:
+            self.summary.segments.append(r.entry["name"])
+            self.summary.added += r.entry["rows"]
+            self.summary.tokens += r.entry["tokens"]
+            self.summary.bytes += sum(r.entry["bytes"].values())
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+def _ray_get(ray, ref):
+    try:
+        return ray.get(ref)
+    except Exception as exc:  # noqa: BLE001 - a task's error arrives wrapped; unwrap ours
+        raise _engine_error(exc) from None
+
+
+def _engine_error(exc: BaseException) -> CacheGraftError:
+    """Our own error raised in a worker (models, store identity), else an EngineError naming the failure."""
+    seen = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, CacheGraftError) and type(cur).__module__.startswith("cachegraft_cli"):
+            return type(cur)(cur.message, cur.hint)
+        seen.add(id(cur))
+        cur = getattr(cur, "cause", None) or cur.__cause__ or cur.__context__
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return EngineError(f"the Ray job failed: {type(exc).__name__}: {first[:300]}",
+                       "Committed segments are kept; fix the cause and run the same encode again to finish.")

@@ -1,0 +1,67 @@
+"""What runs inside the Ray cluster: the store set-up task and the fusing actor.
+
+Imported by Ray workers only (and by the driver, to hand them over); it never
+imports ray itself, so the library stays importable without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from cachegraft_cli.encode import Chunk, EncodeOptions, EncodeSummary, encode_window, run_info
+from cachegraft_cli.session import ModelChoice, ModelSession
+
+ENGINE = "ray"
+
+
+def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool) -> None:
+    """Make the store (prefix cache, identity) exactly as the local engine does; runs where the models can load."""
+    ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache)
+
+
+class FuseWriter:
+    """A Ray Data callable class: the models load once per actor, in `__init__`.
+
+    Each call gets whole commit windows (one dataset block each) and writes each
+    window as one complete, unlisted segment; it returns one row per segment
+    with the plan positions of its rows, for the driver to list.
+    """
+
+    def __init__(self, choice: ModelChoice, store_url: str, options: EncodeOptions):
+        from cachegraft_cli.store import CacheStore
+
+        self.session = ModelSession(choice)
+        self.options = options
+        # a node with other weights, tokenizer or settings is refused here, before it writes anything
+        self.store = CacheStore.open(store_url, expect=self.session.identity(options.codec))
+
+    def __call__(self, batch: dict) -> dict:
+        out: dict[str, list] = {"window": [], "seqs": [], "entry": []}
+        for window, seqs, chunks in windows_of(batch):
+            entry = self.write_segment(chunks)
+            out["window"].append(window)
+            out["seqs"].append(json.dumps(seqs))
+            out["entry"].append(json.dumps(entry))
+        return out
+
+    def write_segment(self, chunks: list[Chunk]) -> dict:
+        """One window -> one complete segment (up to its commit.json), not listed."""
+        from cachegraft_cli.store.parallel import SegmentWriter
+
+        summary = EncodeSummary(store=self.store.loc.url)
+        with SegmentWriter(self.store, run_info(chunks, ENGINE)) as writer:
+            encode_window(chunks, writer, self.session, self.options, summary)
+            return writer.commit()
+
+
+def windows_of(batch: dict) -> list[tuple[int, list[int], list[Chunk]]]:
+    """(window, plan positions, chunks) per window in a batch, each in plan order."""
+    grouped: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for window, seq, record in zip(batch["window"].tolist(), batch["seq"].tolist(), batch["chunk"].tolist()):
+        grouped[int(window)].append((int(seq), record))
+    out = []
+    for window in sorted(grouped):
+        rows = sorted(grouped[window])
+        out.append((window, [s for s, _ in rows], [Chunk.from_record(json.loads(r)) for _, r in rows]))
+    return out
