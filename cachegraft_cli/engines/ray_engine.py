@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -36,10 +37,9 @@ from typing import Callable, Iterable
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encode import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
 from cachegraft_cli.engines.ledger import SegmentLedger, SegmentReport
+from cachegraft_cli.engines.ray_worker import raise_error_record
 from cachegraft_cli.errors import CacheGraftError, EngineError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.session import ModelChoice, check_own_cache
-
-RETRIED_ERRORS = [OSError]  # transient IO (object stores, network filesystems); dead actors are retried anyway
 
 
 @dataclass
@@ -87,7 +87,7 @@ def encode_on_ray(
     ray = require_ray()
     _check_devices(choice, ray_options)
     start = time.perf_counter()
-    with _connected(ray, ray_options), _quiet_ray_data():
+    with _connected(ray, ray_options), _data_context(ray_options):
         store = _open_or_create(ray, choice, store_url, options, ray_options)
         template = driver_template(choice, store, options)
         summary = _run_locked(ray, passages, store, template, choice, options, ray_options, progress,
@@ -139,21 +139,30 @@ def _check_resources(ray, ray_options: RayOptions) -> None:
 
 
 @contextmanager
-def _quiet_ray_data():
-    """Progress goes through our own callback; Ray Data's bars and per-run log lines would drown it."""
+def _data_context(ray_options: RayOptions):
+    """Ray Data settings for the job, put back afterwards.
+
+    Progress goes through our own callback (Ray Data's bars and per-run log lines
+    would drown it). A window whose task raises (our own errors come back as data,
+    so this is IO or a bug) is retried in the same actor up to `max_retries`
+    times; an actor that dies is restarted and its tasks retried as often.
+    """
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
-    saved = ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.actor_task_retry_on_errors
+    settings = {"enable_progress_bars": False, "print_on_execution_start": False, "retried_map_errors": True,
+                "max_map_retries": ray_options.max_retries}
+    saved = {name: getattr(ctx, name) for name in settings}
     logger = logging.getLogger("ray.data")
     level = logger.level
-    ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
-    ctx.actor_task_retry_on_errors = list(RETRIED_ERRORS)
+    for name, value in settings.items():
+        setattr(ctx, name, value)
     logger.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.actor_task_retry_on_errors = saved
+        for name, value in saved.items():
+            setattr(ctx, name, value)
         logger.setLevel(level)
 
 
@@ -169,7 +178,8 @@ def _open_or_create(ray, choice: ModelChoice, store_url: str, options: EncodeOpt
         store = CacheStore.open(store_url)
     except StoreNotFoundError:
         task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
-        _ray_get(ray, task(create_store).remote(choice, store_url, options.codec, options.also_own_cache))
+        raise_error_record(_ray_get(ray, task(create_store).remote(choice, store_url, options.codec,
+                                                                   options.also_own_cache)))
         return CacheStore.open(store_url)
     check_own_cache(store_url, store.kinds, options.also_own_cache)
     return store
@@ -217,17 +227,21 @@ def _fuse_windows(ray, windows: list[list[Chunk]], store, choice, options, ray_o
 
     planned = sum(len(w) for w in windows)
     committer = _Committer(store.loc, SegmentLedger(planned), ray_options.commit_seconds, summary, progress)
-    results = _dataset(ray, windows).map_batches(
-        worker, batch_size=None, batch_format="numpy", compute=ActorPoolStrategy(size=ray_options.actors),
-        num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor,
-        fn_constructor_kwargs={"choice": choice, "store_url": store.loc.url, "options": options},
-        max_task_retries=ray_options.max_retries)
+    with warnings.catch_warnings():  # max_task_retries has no named parameter yet (ray 2.60)
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*is deprecated")
+        results = _dataset(ray, windows).map_batches(
+            worker, batch_size=None, batch_format="numpy", compute=ActorPoolStrategy(size=ray_options.actors),
+            num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor,
+            fn_constructor_kwargs={"choice": choice, "store_url": store.loc.url, "options": options},
+            max_task_retries=ray_options.max_retries)  # tasks of a dead actor: bounded, not Ray Data's -1 (forever)
     try:
         for row in results.iter_rows():
-            committer.add(SegmentReport(json.loads(row["seqs"]), json.loads(row["entry"])))
+            entry = json.loads(row["entry"])
+            raise_error_record(entry)
+            committer.add(SegmentReport(json.loads(row["seqs"]), entry))
     except BaseException as exc:
         committer.flush(final=True)  # keep what finished in order: a re-run skips it
-        if isinstance(exc, Exception):
+        if isinstance(exc, Exception) and not isinstance(exc, CacheGraftError):
             raise _engine_error(exc) from None
         raise
     committer.flush(final=True)

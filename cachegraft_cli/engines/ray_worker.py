@@ -10,14 +10,35 @@ import json
 from collections import defaultdict
 
 from cachegraft_cli.encode import Chunk, EncodeOptions, EncodeSummary, encode_window, run_info
+from cachegraft_cli.errors import CacheGraftError
 from cachegraft_cli.session import ModelChoice, ModelSession
 
 ENGINE = "ray"
 
 
-def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool) -> None:
-    """Make the store (prefix cache, identity) exactly as the local engine does; runs where the models can load."""
-    ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache)
+def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool) -> dict | None:
+    """Make the store (prefix cache, identity) exactly as the local engine does; runs where the models can load.
+    Our own errors come back as data (`error_record`), not raised: Ray would wrap them."""
+    try:
+        ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache)
+    except CacheGraftError as exc:
+        return error_record(exc)
+    return None
+
+
+def error_record(exc: CacheGraftError) -> dict:
+    return {"error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint}}
+
+
+def raise_error_record(record: dict | None) -> None:
+    """Raise the error a worker reported (`error_record`), as the same type."""
+    from cachegraft_cli import errors
+
+    if record and "error" in record:
+        err = record["error"]
+        cls = getattr(errors, err["type"], None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, CacheGraftError) else CacheGraftError
+        raise cls(err["message"], err["hint"])
 
 
 class FuseWriter:
@@ -31,15 +52,24 @@ class FuseWriter:
     def __init__(self, choice: ModelChoice, store_url: str, options: EncodeOptions):
         from cachegraft_cli.store import CacheStore
 
-        self.session = ModelSession(choice)
         self.options = options
-        # a node with other weights, tokenizer or settings is refused here, before it writes anything
-        self.store = CacheStore.open(store_url, expect=self.session.identity(options.codec))
+        self.error: CacheGraftError | None = None
+        try:
+            self.session = ModelSession(choice)
+            # a node with other weights, tokenizer or settings is refused here, before it writes anything
+            self.store = CacheStore.open(store_url, expect=self.session.identity(options.codec))
+        except CacheGraftError as exc:  # reported with the first window: Ray would only say the actor died
+            self.error = exc
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {"window": [], "seqs": [], "entry": []}
         for window, seqs, chunks in windows_of(batch):
-            entry = self.write_segment(chunks)
+            try:
+                if self.error is not None:
+                    raise self.error
+                entry = self.write_segment(chunks)
+            except CacheGraftError as exc:  # not worth a retry (bad model, store, input): the driver stops
+                entry, seqs = error_record(exc), []
             out["window"].append(window)
             out["seqs"].append(json.dumps(seqs))
             out["entry"].append(json.dumps(entry))
