@@ -32,29 +32,25 @@ a GPU node needs to keep up, and the store size follows from bytes per token.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as bc  # noqa: E402
+import bench_common as bc  # first: sets OMP_WAIT_POLICY=PASSIVE before anything imports torch
 
 FUSER = "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3"
 CONDITIONS = ("local", "local-1t", "ray-1", "ray-2")
 H200_BF16_PEAK = 989.4e12  # dense bf16 tensor-core FLOP/s, H200 SXM (same tensor cores as H100 SXM; 2x with sparsity)
 TOKENS_GOAL = 1e9
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, intermediate_size=3072)
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, intermediate_size=9728)
+QWEN3_0_6B = {"vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}  # the published configs
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
-    ap.add_argument("--max-tokens", type=int, default=0, help="cut passages to this many words (0: whole; for smoke runs)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="cut passages to this many words (0: whole; smoke runs)")
     ap.add_argument("--data", default=bc.SQUAD)
     ap.add_argument("--utilisation", type=float, default=0.4, help="assumed fraction of H200 bf16 peak")
     ap.add_argument("--gpus", default="1,8,64")
@@ -141,7 +137,7 @@ def run_child(args, condition: str, store: Path) -> dict:
            "--commit-every", str(args.commit_every), "--batch-size", str(args.batch_size),
            "--max-tokens", str(args.max_tokens), "--data", args.data]
     bc.log(f"{condition}: {args.n} passages")
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"{condition} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -190,10 +186,14 @@ def fuser_flops(rgeo: dict, sgeo: dict, spec: str | None = None) -> float:
     return 2.0 * sum(m.weight.numel() for m in fuser.modules() if isinstance(m, torch.nn.Linear))
 
 
+def _geometry(shape: dict) -> dict:
+    return {"layers": shape["num_hidden_layers"], "kv_heads": shape["num_key_value_heads"],
+            "head_dim": shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]}
+
+
 def flops_per_token(receiver: tuple, sharer: tuple, fuser: str | None, context: float) -> dict:
     (rcls, rshape), (scls, sshape) = receiver, sharer
-    geo = lambda s: {"layers": s["num_hidden_layers"], "kv_heads": s["num_key_value_heads"],  # noqa: E731
-                     "head_dim": s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]}
+    geo = _geometry
     r = matmul_flops(rcls, rshape) + attention_flops(rshape["num_hidden_layers"], rshape["num_attention_heads"],
                                                      geo(rshape)["head_dim"], context)
     s = matmul_flops(scls, sshape) + attention_flops(sshape["num_hidden_layers"], sshape["num_attention_heads"],
@@ -270,7 +270,7 @@ def report(args, results: dict, identical: dict, start_load) -> None:
         secs = bc.median(r["seconds"] for r in runs)
         tokens = runs[0]["tokens"]
         rate = bc.median(x for x in (steady_rate(r) for r in runs) if x is not None)
-        fixed = secs - tokens / rate if rate == rate and rate else float("nan")
+        fixed = secs - tokens / rate if rate > 0 else float("nan")  # nan (no steady rate) compares False
         figures[c] = {"seconds": secs, "tokens": tokens, "end_to_end_tok_s": tokens / secs, "steady_tok_s": rate,
                       "fixed_s": fixed}
         rows.append([c, tokens, round(secs, 1), round(tokens / secs, 2), round(rate, 2), round(fixed, 1),
@@ -306,18 +306,21 @@ def project(args, figures: dict) -> dict:
                    ["pair", "receiver G", "sharer G", "fuser G", "total G"],
                    [[name, f["receiver"] / 1e9, f["sharer"] / 1e9, f["fuser"] / 1e9, f["total"] / 1e9]
                     for name, f in (("offline 0.5B+1.5B", offline), ("Qwen3-0.6B+4B, fuser 1024", target))])
-    print(f"this CPU: best steady {best:.1f} tok/s x {offline['total'] / 1e9:.2f} GFLOP = {cpu_flops / 1e9:.1f} GFLOP/s; "
+    print(f"this CPU: best steady {best:.1f} tok/s x {offline['total'] / 1e9:.2f} GFLOP "
+          f"= {cpu_flops / 1e9:.1f} GFLOP/s; "
           f"1e9 tokens of the offline pair here: {TOKENS_GOAL / best / 86400 / 365:.1f} years" if best else "")
     print(f"H200: {args.utilisation:.0%} of {H200_BF16_PEAK / 1e12:.0f} TFLOP/s bf16 / {target['total'] / 1e9:.2f} "
           f"GFLOP per token = {per_gpu:,.0f} tok/s per GPU")
     print(f"store writer here: {writer['cpu_s_per_token'] * 1e6:.1f} CPU-us per token "
-          f"({writer['stored_bytes_per_token']:,.0f} stored B/token, bf16) -> {per_gpu * writer['cpu_s_per_token']:.1f} "
+          f"({writer['stored_bytes_per_token']:,.0f} stored B/token, bf16) -> "
+          f"{per_gpu * writer['cpu_s_per_token']:.1f} "
           f"cores per GPU to keep up; 1e9 tokens = {TOKENS_GOAL * writer['stored_bytes_per_token'] / 1e12:.0f} TB "
           f"(int8 about half, int4 about a quarter)")
     rows = []
     for n in (int(x) for x in args.gpus.split(",")):
         hours = TOKENS_GOAL / (n * per_gpu) / 3600
-        rows.append([n, round(hours, 2), round(hours * n, 1), round(n * per_gpu * writer["stored_bytes_per_token"] / 1e9, 1),
+        gbps = n * per_gpu * writer["stored_bytes_per_token"] / 1e9
+        rows.append([n, round(hours, 2), round(hours * n, 1), round(gbps, 1),
                      round(n * per_gpu * writer["cpu_s_per_token"], 0)])
     bc.print_table(f"1e9 tokens, Qwen3-4B -> Qwen3-0.6B, H200 at {args.utilisation:.0%} of bf16 peak "
                    "(compute only; model load and stragglers not included)",

@@ -87,7 +87,7 @@ class Chunk:
                 "span": list(self.span) if self.span is not None else None}
 
     @classmethod
-    def from_record(cls, record: dict) -> "Chunk":
+    def from_record(cls, record: dict) -> Chunk:
         passage = Passage(record["id"], record["title"], record["text"], record["metadata"], record["source"],
                           record["line"])
         span = tuple(record["span"]) if record["span"] is not None else None

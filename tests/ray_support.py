@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import uuid
-from pathlib import Path
 
 from cachegraft_cli.engines.ray_worker import FuseWriter
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_store_support import bf16_cache, fill, identity, prefix, row
 
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.compact import CompactOptions, compact, plan_groups
-from test_store_support import bf16_cache, fill, identity, prefix, row
 
 TESTS = Path(__file__).parent
 

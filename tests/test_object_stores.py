@@ -7,10 +7,10 @@ import uuid
 
 import numpy as np
 import pytest
+from test_store_support import fill, identity, prefix
 
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.location import Location
-from test_store_support import fill, identity, prefix
 
 
 @pytest.fixture

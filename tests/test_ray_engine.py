@@ -13,19 +13,20 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("ray")
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encode import EncodeOptions, encode_corpus
+from cachegraft_cli.engines.ray_engine import RayOptions, encode_on_ray  # imports no ray itself
+from cachegraft_cli.errors import StoreMismatchError
+from cachegraft_cli.session import ModelChoice, ModelSession
+from cachegraft_cli.store import CacheStore, segments
 
-from cachegraft_cli.corpus import Passage  # noqa: E402
-from cachegraft_cli.encode import EncodeOptions, encode_corpus  # noqa: E402
-from cachegraft_cli.engines.ray_engine import RayOptions, encode_on_ray  # noqa: E402
-from cachegraft_cli.errors import StoreMismatchError  # noqa: E402
-from cachegraft_cli.session import ModelChoice, ModelSession  # noqa: E402
-from cachegraft_cli.store import CacheStore, segments  # noqa: E402
+pytest.importorskip("ray")
 
 N = 200  # a few hundred passages
 OPTIONS = EncodeOptions(codec="bf16", batch_size=8, commit_every=25)  # 8 windows of 25
-WORDS = ("harbor town was founded by fishermen who built the first lighthouse near the river bank "
-         "the treaty was signed in vienna after long talks photosynthesis turns light into sugar").split()
+WORDS = ["harbor", "town", "was", "founded", "by", "fishermen", "who", "built", "the", "first", "lighthouse",
+         "near", "the", "river", "bank", "the", "treaty", "was", "signed", "in", "vienna", "after", "long", "talks",
+         "photosynthesis", "turns", "light", "into", "sugar"]
 
 
 def _passages(n: int) -> list[Passage]:
@@ -147,7 +148,7 @@ def test_sigkill_of_the_driver_then_rerun_completes_the_store(ray_cluster, choic
     partial = CacheStore.open(str(url))
     assert 0 < len(partial) < N and partial.verify()["ok"]  # committed windows only
     done = subprocess.run(_encode_cmd(corpus, url, choice, ray_cluster), env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["added"] == N - len(partial) and summary["skipped_existing"] == len(partial)
@@ -173,7 +174,7 @@ def s3_store(s3_server, monkeypatch):
 
 def _ask(url: str, questions: list[str]) -> list[tuple[str, int]]:
     """(answer, array bytes read from the store) per question."""
-    from cachegraft_cli.ask import AskOptions, Asker
+    from cachegraft_cli.ask import Asker, AskOptions
     from cachegraft_cli.generation import GenerationConfig
 
     asker = Asker(url)

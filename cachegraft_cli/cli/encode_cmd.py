@@ -32,11 +32,16 @@ def encode(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
-    engine: Annotated[str, typer.Option(help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
-    address: Annotated[Optional[str], typer.Option(help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
-    actors: Annotated[Optional[int], typer.Option(min=1, help="Ray: fusing actors; each loads the models once (default 1).")] = None,
-    gpus_per_actor: Annotated[Optional[float], typer.Option(min=0.0, help="Ray: GPUs per actor; 0.5 puts two actors on a GPU (default 0).")] = None,
-    cpus_per_actor: Annotated[Optional[float], typer.Option(min=0.01, help="Ray: CPUs per actor, for compressing and writing (default 1).")] = None,
+    engine: Annotated[str, typer.Option(
+        help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option(
+        help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
+    actors: Annotated[int | None, typer.Option(
+        min=1, help="Ray: fusing actors; each loads the models once (default 1).")] = None,
+    gpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.0, help="Ray: GPUs per actor; 0.5 puts two actors on a GPU (default 0).")] = None,
+    cpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.01, help="Ray: CPUs per actor, for compressing and writing (default 1).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
@@ -45,7 +50,7 @@ def encode(
     from cachegraft_cli.progress import EncodeProgress
     from cachegraft_cli.session import ModelChoice, ModelSession
 
-    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor)
+    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor, device)
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
                          skip_bad=skip_bad, format=fmt)
     passages = list(reader)  # read and check everything before any model loads or anything is written
@@ -69,7 +74,7 @@ def encode(
         _print(summary)
 
 
-def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor):
+def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, device):
     """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
     from cachegraft_cli.engines import ENGINES
     from cachegraft_cli.errors import UsageError
@@ -83,10 +88,11 @@ def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor):
         if flags:
             raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
         return None
-    from cachegraft_cli.engines.ray_engine import RayOptions, require_ray
+    from cachegraft_cli.engines.ray_engine import RayOptions, check_devices, require_ray
 
     options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
                          cpus_per_actor=cpus_per_actor or 1.0)
+    check_devices(device, options)
     require_ray()  # before the corpus is read or anything loads
     return options
 

@@ -131,13 +131,16 @@ def unlock(
 @store_app.command("compact")
 def compact(
     store: DirArg,
-    target_bytes: Annotated[int, typer.Option(min=1, help="Merge adjacent small segments until one holds this many bytes.")] = 1 << 30,
-    grace: Annotated[float, typer.Option(min=0.0, help="Seconds replaced segments stay for readers that opened before.")] = 3600.0,
+    target_bytes: Annotated[int, typer.Option(
+        min=1, help="Merge runs of segments under half this size until one holds this many bytes.")] = 1 << 30,
+    grace: Annotated[float, typer.Option(
+        min=0.0, help="Seconds replaced segments stay for readers that opened before.")] = 3600.0,
     json: JsonOpt = False,
 ) -> None:
     """Merge small segments into larger ones; cache bytes and checksums stay the same (safe to interrupt)."""
     from cachegraft_cli.cli.output import emit_json
-    from cachegraft_cli.store.compact import CompactOptions, compact as do_compact
+    from cachegraft_cli.store.compact import CompactOptions
+    from cachegraft_cli.store.compact import compact as do_compact
 
     report = do_compact(store, CompactOptions(target_bytes=target_bytes, grace_seconds=grace))
     if json:

@@ -30,9 +30,9 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encode import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
@@ -59,16 +59,26 @@ class RayOptions:
                              "Fractions share a device: --gpus-per-actor 0.5 puts two actors on each GPU.")
         if self.max_retries < 0:
             raise UsageError(f"max_retries must be >= 0, not {self.max_retries}.")
+        if self.address is not None and self.address not in ("auto", "local") and not _host_port(self.address):
+            raise UsageError(f"--address {self.address!r} is not HOST:PORT.",
+                             "Example: --address 10.0.0.1:6379 (the head's address; see `ray status`).")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of `HOST:PORT` or `ray://HOST:PORT`; None for anything else."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
 
 
 def require_ray():
     """The ray module, or a clear error when the optional extra is not installed."""
     try:
         import ray
-        import ray.data  # noqa: F401
+        import ray.data
     except ImportError:
         raise UsageError("--engine ray needs Ray, which is not installed.",
-                         "Install it with: pip install 'cachegraft[ray]' (and 'cachegraft[s3]' for s3:// stores).") from None
+                         "Install it with: pip install 'cachegraft[ray]' "
+                         "(and 'cachegraft[s3]' for s3:// stores).") from None
     return ray
 
 
@@ -85,7 +95,7 @@ def encode_on_ray(
     from cachegraft_cli.engines.ray_worker import FuseWriter
 
     ray = require_ray()
-    _check_devices(choice, ray_options)
+    check_devices(choice.device, ray_options)
     start = time.perf_counter()
     with _connected(ray, ray_options), _data_context(ray_options):
         store = _open_or_create(ray, choice, store_url, options, ray_options)
@@ -97,9 +107,11 @@ def encode_on_ray(
     return summary
 
 
-def _check_devices(choice: ModelChoice, ray_options: RayOptions) -> None:
-    if ray_options.gpus_per_actor > 0 and (choice.device or "").startswith(("cpu", "mps")):
-        raise UsageError(f"--gpus-per-actor {ray_options.gpus_per_actor:g} asks for GPUs but --device is {choice.device}.",
+def check_devices(device: str | None, ray_options: RayOptions) -> None:
+    """GPUs for the actors and a CPU --device contradict each other."""
+    if ray_options.gpus_per_actor > 0 and (device or "").startswith(("cpu", "mps")):
+        raise UsageError(f"--gpus-per-actor {ray_options.gpus_per_actor:g} asks for GPUs, but --device is "
+                         f"{device}.",
                          "Drop --device (each actor uses the GPU Ray gives it), or use --gpus-per-actor 0.")
 
 
@@ -112,6 +124,7 @@ def _connected(ray, ray_options: RayOptions):
     if ray.is_initialized():
         yield
         return
+    _probe(ray_options.address or os.environ.get("RAY_ADDRESS"))
     try:
         ray.init(address=ray_options.address, logging_level=logging.WARNING, include_dashboard=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -127,12 +140,28 @@ def _connected(ray, ray_options: RayOptions):
         ray.shutdown()
 
 
+def _probe(address: str | None, timeout: float = 5.0) -> None:
+    """Fail in seconds on an address nothing listens at (Ray itself retries for minutes)."""
+    import socket
+
+    target = _host_port(address) if address else None
+    if target is None:  # none, "auto" or "local": Ray finds or starts the runtime
+        return
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+    except OSError as exc:
+        raise EngineError(f"no Ray cluster answers at {address} ({exc.strerror or exc}).",
+                          "Start one with `ray start --head` (port 6379 by default) and check the address, "
+                          "or leave --address out to run a local Ray runtime.") from None
+
+
 def _check_resources(ray, ray_options: RayOptions) -> None:
     """A pool that can never start would wait forever: refuse it up front."""
     have = ray.cluster_resources()
     if ray_options.gpus_per_actor > have.get("GPU", 0):
         raise EngineError(f"the Ray cluster has {have.get('GPU', 0):g} GPUs, but --gpus-per-actor is "
-                          f"{ray_options.gpus_per_actor:g}.", "Join a cluster with GPU nodes (--address), or use --gpus-per-actor 0.")
+                          f"{ray_options.gpus_per_actor:g}.",
+                          "Join a cluster with GPU nodes (--address), or use --gpus-per-actor 0.")
     if ray_options.cpus_per_actor > have.get("CPU", 0):
         raise EngineError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, but --cpus-per-actor is "
                           f"{ray_options.cpus_per_actor:g}.", "Use a smaller --cpus-per-actor.")

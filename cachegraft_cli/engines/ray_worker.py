@@ -82,7 +82,10 @@ class FuseWriter:
         summary = EncodeSummary(store=self.store.loc.url)
         with SegmentWriter(self.store, run_info(chunks, ENGINE)) as writer:
             encode_window(chunks, writer, self.session, self.options, summary)
-            return writer.commit()
+            entry = writer.commit()
+        if entry is None:  # windows are never empty
+            raise ValueError("a window with no passages was handed to an actor")
+        return entry
 
 
 def windows_of(batch: dict) -> list[tuple[int, list[int], list[Chunk]]]:

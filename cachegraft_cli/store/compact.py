@@ -33,7 +33,14 @@ import numpy as np
 from cachegraft_cli.errors import StoreCorruptError, StoreError, UsageError
 from cachegraft_cli.store import segments, shards
 from cachegraft_cli.store.layout import (
-    COMMIT, CONTENT, MANIFEST, array_path, new_segment_name, now_iso, segment_dir, segment_file,
+    COMMIT,
+    CONTENT,
+    MANIFEST,
+    array_path,
+    new_segment_name,
+    now_iso,
+    segment_dir,
+    segment_file,
 )
 from cachegraft_cli.store.rows import SegmentTable
 
@@ -52,7 +59,8 @@ class CompactOptions:
             raise UsageError("--target-bytes must be positive and --grace must be >= 0 seconds.")
 
 
-def compact(url: str, options: CompactOptions | None = None, progress=None, storage_options: dict | None = None) -> dict:
+def compact(url: str, options: CompactOptions | None = None, progress=None,
+            storage_options: dict | None = None) -> dict:
     """Merge runs of small segments of the store at `url`; returns a report."""
     from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.lock import WriterLock
@@ -120,7 +128,8 @@ def merge_segments(store, group: list[dict]) -> dict:
             _copy_part(store, group, starts, end, name, kind, comp)
     table = _merged_table(name, tables, starts)
     segments.write_table(loc, table, store.rows_file)
-    content = {col: [v for t in tables for v in t.content[col]] for col in tables[0].content}
+    contents = [t.content or {} for t in tables]  # loaded just above
+    content = {col: [v for c in contents for v in c[col]] for col in contents[0]}
     loc.write_json_atomic(segment_file(name, CONTENT), {"columns": content}, compact=True)
     entry = _entry(store, name, group, table, end)
     loc.write_json_atomic(segment_file(name, COMMIT), entry)
@@ -241,7 +250,7 @@ def _swap(loc, group: list[dict], entry: dict) -> None:
 def purge_retired(loc, grace_seconds: float) -> list[str]:
     """Delete segments retired at least `grace_seconds` ago: first out of the manifest, then their files."""
     manifest = segments.load_manifest(loc)
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     retired = manifest.get("retired", [])
     old = [r for r in retired if (now - _dt.datetime.fromisoformat(r["retired"])).total_seconds() >= grace_seconds]
     if not old:

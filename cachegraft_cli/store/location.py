@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 _LISTED_REMOTELY = ("s3", "s3a", "gs", "gcs")  # object stores whose fsspec filesystems cache listings
 
 

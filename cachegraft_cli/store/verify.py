@@ -39,9 +39,10 @@ def _check_table(store, table, entry) -> list[dict]:
         out.append(_problem(table, None, None, None, "commit.json is missing"))
     if "token_extent" in entry:  # compacted: sources start on token-group boundaries, gaps between them
         ends = table.offsets + table.tokens
-        if (np.any(table.offsets[1:] < ends[:-1]) or (len(table) and (table.offsets[0] < 0 or ends[-1] > entry["token_extent"]))
-                or int(table.tokens.sum()) != entry["tokens"]):
-            out.append(_problem(table, None, None, None, f"{store.rows_file} offsets overlap or leave the segment's tokens"))
+        outside = len(table) and (table.offsets[0] < 0 or ends[-1] > entry["token_extent"])
+        if np.any(table.offsets[1:] < ends[:-1]) or outside or int(table.tokens.sum()) != entry["tokens"]:
+            out.append(_problem(table, None, None, None,
+                                f"{store.rows_file} offsets overlap or leave the segment's tokens"))
     else:
         offsets = np.concatenate([[0], np.cumsum(table.tokens)])
         if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
