@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -50,3 +51,38 @@ def test_an_address_nobody_listens_at_fails_in_seconds():
         _probe(f"127.0.0.1:{port}", timeout=2)
     _probe(None)  # no address: Ray starts a local runtime
     _probe("auto")
+
+
+def test_the_engines_import_no_ray_until_used():
+    import subprocess
+
+    code = ("import sys\n"
+            "import cachegraft_cli.cli.app, cachegraft_cli.cli.encode_cmd, cachegraft_cli.engines.ray_engine\n"
+            "import cachegraft_cli.engines.ray_worker, cachegraft_cli.store.parallel, cachegraft_cli.store.compact\n"
+            "assert 'ray' not in sys.modules, 'ray imported at module load'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_rows_survive_the_trip_to_an_actor():
+    """What the driver puts in the dataset is what `windows_of` gives the actor back."""
+    import numpy as np
+
+    from cachegraft_cli.corpus import Passage
+    from cachegraft_cli.encode import Chunk
+    from cachegraft_cli.engines.ray_worker import windows_of
+
+    chunks = [Chunk(Passage("a", "T", "long text", {"k": [1, "x"]}, "c.jsonl", 3), "text", [5, 6, 7],
+                    "Title: T\ntext\n\n", 0, (0, 4)),
+              Chunk(Passage("b", "", "short"), "short", [9], "short\n\n")]
+    records = [c.to_record() for c in chunks]
+    ids = [r.pop("ids") for r in records]
+    batch = {"window": np.array([4, 4]), "seq": np.array([11, 10]), "ids": [np.array(i, np.int32) for i in ids],
+             "chunk": np.array([json.dumps(r) for r in records], dtype=object)}
+    [(window, seqs, got)] = windows_of(batch)
+    assert window == 4 and seqs == [10, 11]  # plan order restored
+    back = dict(zip(seqs, got))
+    for seq, chunk in zip([11, 10], chunks):
+        assert vars(back[seq]) | {"passage": None} == vars(chunk) | {"passage": None}
+        assert back[seq].id == chunk.id and back[seq].content_hash == chunk.content_hash
+        assert back[seq].passage.metadata == chunk.passage.metadata and back[seq].passage.title == chunk.passage.title

@@ -52,3 +52,11 @@ def test_gs_urls_go_through_gcsfs_without_listing_caches():
     assert type(loc.fs).__module__.startswith("gcsfs") and loc.root == "some-bucket/store"
     assert loc.fs.dircache.use_listings_cache is False
     assert Location.from_url("memory://x/store").storage_options == {}  # in-process filesystems keep their defaults
+
+
+def test_file_urls_and_plain_paths_are_the_same_store(tmp_path):
+    rng = np.random.default_rng(1)
+    data = fill(CacheStore.create(f"file://{tmp_path}/s", identity(), prefix(rng)), rng, range(3))
+    store = CacheStore.open(str(tmp_path / "s"))
+    assert store.loc.local and sorted(store.ids()) == sorted(data)
+    assert np.array_equal(store.read(["p1"])[0], data["p1"]["fused"]) and store.verify()["ok"]

@@ -280,15 +280,19 @@ def _fuse_windows(ray, windows: list[list[Chunk]], store, choice, options, ray_o
 
 
 def _dataset(ray, windows: list[list[Chunk]]):
-    """One block per commit window, so each window reaches one actor call whole."""
+    """One block per commit window, so each window reaches one actor call whole. Token ids travel
+    as an int32 list column (a quarter of their JSON size); the rest of a chunk as JSON."""
     import pyarrow as pa
 
     tables, seq = [], 0
     for w, window in enumerate(windows):
-        seqs = list(range(seq, seq + len(window)))
+        records = [c.to_record() for c in window]
+        ids = [r.pop("ids") for r in records]
+        tables.append(pa.table({"window": pa.array([w] * len(window), pa.int64()),
+                                "seq": pa.array(range(seq, seq + len(window)), pa.int64()),
+                                "ids": pa.array(ids, pa.list_(pa.int32())),
+                                "chunk": [json.dumps(r, ensure_ascii=False) for r in records]}))
         seq += len(window)
-        tables.append(pa.table({"window": [w] * len(window), "seq": seqs,
-                                "chunk": [json.dumps(c.to_record(), ensure_ascii=False) for c in window]}))
     return ray.data.from_arrow(tables)
 
 

@@ -89,12 +89,13 @@ class FuseWriter:
 
 
 def windows_of(batch: dict) -> list[tuple[int, list[int], list[Chunk]]]:
-    """(window, plan positions, chunks) per window in a batch, each in plan order."""
-    grouped: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    for window, seq, record in zip(batch["window"].tolist(), batch["seq"].tolist(), batch["chunk"].tolist()):
-        grouped[int(window)].append((int(seq), record))
+    """(window, plan positions, chunks) per window in a batch (numpy columns), each in plan order."""
+    grouped: dict[int, list[tuple[int, dict]]] = defaultdict(list)
+    for window, seq, ids, text in zip(batch["window"].tolist(), batch["seq"].tolist(), batch["ids"],
+                                      batch["chunk"].tolist()):
+        grouped[int(window)].append((int(seq), {**json.loads(text), "ids": [int(t) for t in ids]}))
     out = []
     for window in sorted(grouped):
-        rows = sorted(grouped[window])
-        out.append((window, [s for s, _ in rows], [Chunk.from_record(json.loads(r)) for _, r in rows]))
+        rows = sorted(grouped[window], key=lambda r: r[0])
+        out.append((window, [s for s, _ in rows], [Chunk.from_record(r) for _, r in rows]))
     return out
