@@ -94,8 +94,11 @@ def encode_on_ray(
     """Encode passages into the store at `store_url` on a Ray cluster (`worker`: the actor class, for tests)."""
     from cachegraft_cli.engines.ray_worker import FuseWriter
 
+    from cachegraft_cli.store.location import Location
+
     ray = require_ray()
     check_devices(choice.device, ray_options)
+    store_url = Location.from_url(store_url).url  # a relative path means the driver's directory, on every node
     start = time.perf_counter()
     with _connected(ray, ray_options), _data_context(ray_options):
         store = _open_or_create(ray, choice, store_url, options, ray_options)
