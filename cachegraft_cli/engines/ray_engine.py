@@ -93,7 +93,6 @@ def encode_on_ray(
 ) -> EncodeSummary:
     """Encode passages into the store at `store_url` on a Ray cluster (`worker`: the actor class, for tests)."""
     from cachegraft_cli.engines.ray_worker import FuseWriter
-
     from cachegraft_cli.store.location import Location
 
     ray = require_ray()
