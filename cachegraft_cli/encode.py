@@ -55,6 +55,9 @@ class EncodeSummary:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def finish(self) -> None:
+        self.bytes_per_token = round(self.bytes / self.tokens, 2) if self.tokens else 0.0
+
 
 @dataclass
 class Chunk:
@@ -95,6 +98,22 @@ class Chunk:
             parent_id=p.id if self.index is not None else None,
             chunk_index=self.index,
         )
+
+    def to_record(self) -> dict:
+        """A plain-JSON form, to hand a planned chunk to another process (a Ray actor).
+
+        The passage's full text is not carried: a chunk's row needs only its own piece."""
+        p = self.passage
+        return {"id": p.id, "title": p.title, "metadata": p.metadata, "source": p.source, "line": p.line,
+                "text": self.text, "ids": self.ids, "block": self.block, "index": self.index,
+                "span": list(self.span) if self.span is not None else None}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Chunk:
+        passage = Passage(record["id"], record["title"], record["text"], record["metadata"], record["source"],
+                          record["line"])
+        span = tuple(record["span"]) if record["span"] is not None else None
+        return cls(passage, record["text"], list(record["ids"]), record["block"], record["index"], span)
 
 
 def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
@@ -161,17 +180,26 @@ def encode_into(
     trust_remote_code: bool = False,
     instruction: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    ray=None,
 ) -> EncodeSummary:
     """Encode passages into a store with the models the user chose: a new store takes the
     preset (or the paper's pair) with overrides, an existing one its own models
-    (`session.choice_for_encode`)."""
+    (`session.choice_for_encode`). `ray` (`engines.ray_engine.RayOptions`) runs the
+    fusion on Ray actors instead of in this process; the store is the same."""
+    from dataclasses import replace
+
     from cachegraft_cli.session import choice_for_encode, open_existing
 
     options = options or EncodeOptions()
     store = open_existing(store_url)
     choice = choice_for_encode(store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code or None, instruction=instruction)
-    return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store)
+    if ray is None:
+        return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store)
+    from cachegraft_cli.engines.ray_engine import encode_on_ray
+
+    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
+    return encode_on_ray(list(passages), store_url, choice, replace(options, codec=codec), ray, progress=progress)
 
 
 def encode_corpus(
@@ -199,7 +227,8 @@ def encode_corpus(
         check_kinds(store, options.also_own_cache)
         _check_codec(store, codec)
     summary = EncodeSummary(store=store_url, fuser=session.choice.fuser or "closed")
-    todo = _plan(passages, store.content_hashes() if store is not None else {}, session, options, summary)
+    known = store.content_hashes() if store is not None else {}
+    todo = plan_chunks(passages, known, session.template, options, summary)
     if todo or store is None or not session.names_match(store):  # other models named: load them to check
         if store is not None:
             session.check_template(store)
@@ -208,7 +237,7 @@ def encode_corpus(
             progress(0, 0)
         _write(todo, store, session, options, summary, progress)
     summary.seconds = round(time.perf_counter() - start, 3)
-    summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
+    summary.finish()
     return summary
 
 
@@ -218,7 +247,7 @@ def _check_codec(store, codec: str) -> None:
     check(store.loc.url, store.identity, {"codec": codec})
 
 
-def _plan(passages, known: dict, session: ModelSession, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+def plan_chunks(passages, known: dict, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
     """Read and check everything before writing anything; drop what is already stored
     (same id, same content hash: identical text under two ids is stored twice). A passage
     stored whole is recognised by its hash alone; only the others are tokenised."""
@@ -232,7 +261,7 @@ def _plan(passages, known: dict, session: ModelSession, options: EncodeOptions, 
         if known and known.get(passage.id) == content_hash_of(passage_block(passage.title, passage.text)):
             summary.skipped_existing += 1
             continue
-        chunks = split_passage(passage, session.template, options.max_passage_tokens)
+        chunks = split_passage(passage, template, options.max_passage_tokens)
         summary.chunks_split += len(chunks) - 1
         for chunk in chunks:
             digest = chunk.content_hash
@@ -254,19 +283,35 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
+def commit_windows(todo: list[Chunk], options: EncodeOptions) -> list[list[Chunk]]:
+    """The planned chunks cut into commit windows: one segment each, whatever engine writes them."""
+    return [todo[i : i + options.commit_every] for i in range(0, len(todo), options.commit_every)]
+
+
+def run_info(window: list[Chunk], engine: str = "local") -> dict:
+    info = {"tool": "cachegraft encode", "passages": len(window)}
+    return info if engine == "local" else {**info, "engine": engine}
+
+
 def _write(todo: list[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress) -> None:
     """Encode in commit windows; each window is one segment, visible once committed."""
-    for window_start in range(0, len(todo), options.commit_every):
-        window = todo[window_start : window_start + options.commit_every]
-        with store.writer({"tool": "cachegraft encode", "passages": len(window)}) as writer:
-            for batch in _batches(window, options.batch_size):
-                _encode_batch(batch, writer, session, options, summary)
-                if progress:
-                    progress(len(batch), sum(len(c.ids) for c in batch))
+    for window in commit_windows(todo, options):
+        with store.writer(run_info(window)) as writer:
+            encode_window(window, writer, session, options, summary, progress)
             entry = writer.commit()
         if entry:
             summary.segments.append(entry["name"])
             summary.bytes += sum(entry["bytes"].values())
+
+
+def encode_window(window: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary,
+                  progress=None) -> None:
+    """Fuse one window's chunks into `writer` (not committed), in the local engine's batches:
+    the same window always gives the same batches, so the same bits on the same hardware."""
+    for batch in _batches(window, options.batch_size):
+        _encode_batch(batch, writer, session, options, summary)
+        if progress:
+            progress(len(batch), sum(len(c.ids) for c in batch))
 
 
 def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:

@@ -53,6 +53,16 @@ def encode(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
+    engine: Annotated[str, typer.Option(
+        help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option(
+        help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
+    actors: Annotated[int | None, typer.Option(
+        min=1, help="Ray: fusing actors; each loads the models once (default 1).")] = None,
+    gpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.0, help="Ray: GPUs per actor; 0.5 puts two actors on a GPU (default 0).")] = None,
+    cpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.01, help="Ray: CPUs per actor, for compressing and writing (default 1).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
@@ -62,13 +72,14 @@ def encode(
     from cachegraft_cli.progress import EncodeProgress
 
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
+    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor, device)
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
                          skip_bad=skip_bad, format=fmt)
     passages = list(reader)  # read and check everything before any model loads or anything is written
     with showing_status(json_out), EncodeProgress(len(passages)) as bar:
         summary = encode_into(store, passages, options, preset=preset, receiver=receiver, sharer=sharer, fuser=fuser,
                               device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                              instruction=instruction, progress=bar)
+                              instruction=instruction, progress=bar, ray=ray_options)
     if summary.fuser == "closed" and summary.added:
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
     summary.skipped_bad = sum(reader.skipped.values())
@@ -77,6 +88,29 @@ def encode(
         emit_json(summary.as_dict())
     else:
         _print(summary)
+
+
+def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, device):
+    """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
+    from cachegraft_cli.engines import ENGINES
+    from cachegraft_cli.errors import UsageError
+
+    if engine not in ENGINES:
+        raise UsageError(f"unknown --engine {engine!r}.", f"Use one of: {', '.join(ENGINES)}.")
+    given = {"--address": address, "--actors": actors, "--gpus-per-actor": gpus_per_actor,
+             "--cpus-per-actor": cpus_per_actor}
+    if engine == "local":
+        flags = [flag for flag, value in given.items() if value is not None]
+        if flags:
+            raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
+        return None
+    from cachegraft_cli.engines.ray_engine import RayOptions, check_devices, require_ray
+
+    options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
+                         cpus_per_actor=cpus_per_actor or 1.0)
+    check_devices(device, options)
+    require_ray()  # before the corpus is read or anything loads
+    return options
 
 
 def _print(s) -> None:

@@ -144,3 +144,26 @@ def unlock(
     CacheStore.check_exists(store)  # a missing store fails with its usual hint
     loc = Location.from_url(store)
     typer.echo(do_unlock(loc, force=force))
+
+
+@store_app.command("compact")
+def compact(
+    store: DirArg,
+    target_bytes: Annotated[int, typer.Option(
+        min=1, help="Merge runs of segments under half this size until one holds this many bytes.")] = 1 << 30,
+    grace: Annotated[float, typer.Option(
+        min=0.0, help="Seconds replaced segments stay for readers that opened before.")] = 3600.0,
+    json: JsonOpt = False,
+) -> None:
+    """Merge small segments into larger ones; cache bytes and checksums stay the same (safe to interrupt)."""
+    from cachegraft_cli.cli.output import emit_json
+    from cachegraft_cli.store.compact import CompactOptions, compact as do_compact
+
+    report = do_compact(store, CompactOptions(target_bytes=target_bytes, grace_seconds=grace))
+    if json:
+        emit_json(report)
+        return
+    rows = sum(m["rows"] for m in report["merged"])
+    typer.echo(f"{report['url']}: {report['segments_before']} -> {report['segments_after']} segments "
+               f"({len(report['merged'])} merged, {rows:,} rows moved); deleted {len(report['retired_deleted'])} "
+               f"retired segments; {report['seconds']:.1f} s.")

@@ -50,9 +50,11 @@ def append_to_manifest(loc: Location, entry: dict) -> dict:
 def collect_garbage(loc: Location) -> list[str]:
     """Delete segments no manifest lists (left by killed or aborted writers) and temp files.
 
-    Only called while holding the writer lock, so nothing else is writing.
+    Only called while holding the writer lock, so nothing else is writing. Segments
+    compaction retired stay until their grace period ends (older readers use them).
     """
-    listed = {s["name"] for s in load_manifest(loc)["segments"]}
+    manifest = load_manifest(loc)
+    listed = {s["name"] for s in manifest["segments"] + manifest.get("retired", [])}
     removed = [name for name in loc.list_names(SEGMENTS) if name not in listed and name != "zarr.json"]
     for name in removed:
         loc.remove(segment_dir(name))

@@ -37,9 +37,16 @@ def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing"))
-    offsets = np.concatenate([[0], np.cumsum(table.tokens)])
-    if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
-        out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens"))
+    if "token_extent" in entry:  # compacted: sources start on token-group boundaries, gaps between them
+        ends = table.offsets + table.tokens
+        outside = len(table) and (table.offsets[0] < 0 or ends[-1] > entry["token_extent"])
+        if np.any(table.offsets[1:] < ends[:-1]) or outside or int(table.tokens.sum()) != entry["tokens"]:
+            out.append(_problem(table, None, None, None,
+                                f"{store.rows_file} offsets overlap or leave the segment's tokens"))
+    else:
+        offsets = np.concatenate([[0], np.cumsum(table.tokens)])
+        if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
+            out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens"))
     if len(table) != entry["rows"]:
         out.append(_problem(table, None, None, None,
                             f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}"))
@@ -48,7 +55,7 @@ def _check_table(store, table, entry) -> list[dict]:
 
 def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
-    tokens = int(table.tokens.sum())
+    tokens = int((table.offsets + table.tokens).max()) if len(table) else 0  # gaps included (compacted int4)
     try:
         arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report

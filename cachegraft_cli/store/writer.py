@@ -33,7 +33,6 @@ class StoreWriter:
         self.store = store
         self.run_info = dict(run_info or {})
         self.name = new_segment_name()
-        self.lock = WriterLock(store.loc, self.run_info).acquire()
         self.closed = False
         self.rows: list[PassageRow] = []
         self.spans: list[tuple[int, int]] = []
@@ -45,11 +44,17 @@ class StoreWriter:
         self._compressors = {c.dtype: shards.numcodecs_compressor(segments.compressor_for(store.compressor, c.dtype))
                              for c in store.codec.components()}
         self._hashes: set[str] = set()
+        self.lock = self._acquire()
+
+    def _acquire(self):
+        """Hold the store's writer lock for the session; segments nobody lists are garbage then."""
+        lock = WriterLock(self.store.loc, self.run_info).acquire()
         try:
-            segments.collect_garbage(store.loc)
+            segments.collect_garbage(self.store.loc)
         except BaseException:
-            self.lock.release()
+            lock.release()
             raise
+        return lock
 
     # -- context manager -----------------------------------------------------
 
@@ -171,9 +176,13 @@ class StoreWriter:
         loc.write_json_atomic(segment_file(self.name, CONTENT), {"columns": content_columns(self.rows)}, compact=True)
         entry = self._entry()
         loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
-        segments.append_to_manifest(loc, entry)
-        self.store.adopt(entry, table)
+        self._publish(entry, table)
         return entry
+
+    def _publish(self, entry: dict, table) -> None:
+        """List the complete segment in the manifest: from here on readers see it."""
+        segments.append_to_manifest(self.store.loc, entry)
+        self.store.adopt(entry, table)
 
     def _entry(self) -> dict:
         loc = self.store.loc
