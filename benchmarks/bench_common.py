@@ -20,11 +20,16 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from cachegraft_cli.config import pulled_models_dir as _pulled_models_dir  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path("/root/.cache/cachegraft-test-models")
+# The pulled offline pair (`cachegraft models pull offline`) unless $CACHEGRAFT_BENCH_MODELS names
+# another folder holding both; the QA files of docs/data.md in $CACHEGRAFT_QA_DATA.
+MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or _pulled_models_dir())
 RECEIVER = str(MODELS / "qwen2.5-coder-0.5b-instruct")
 SHARER = str(MODELS / "qwen2.5-coder-1.5b-instruct")
-SQUAD = str((REPO / ".." / "shared" / "data" / "qa" / "squad_v1.1_dev.json").resolve())
+QA_DATA = Path(os.environ.get("CACHEGRAFT_QA_DATA") or REPO / ".." / "shared" / "data" / "qa")
+SQUAD = str((QA_DATA / "squad_v1.1_dev.json").resolve())
 # None: the library's pick (bf16 only on CPUs with AVX512-BF16/AMX, else float32; bf16
 # emulated on AVX2 is many times slower). CACHEGRAFT_BENCH_DTYPE=bfloat16 forces it.
 DTYPE = os.environ.get("CACHEGRAFT_BENCH_DTYPE") or None

@@ -18,8 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-MODELS = Path.home() / ".cache/cachegraft-test-models"
-SQUAD = Path(__file__).resolve().parents[1].parent / "shared/data/qa/squad_v1.1_dev.json"
+from cachegraft_cli.config import pulled_models_dir
+
+MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`
+SQUAD = Path(os.environ.get("CACHEGRAFT_QA_DATA") or Path(__file__).resolve().parents[2] / "shared/data/qa") \
+    / "squad_v1.1_dev.json"
 
 
 def parse_args():
@@ -72,7 +75,7 @@ def run(args) -> dict:
     import torch
 
     from cachegraft_cli import kvcache
-    from cachegraft_cli.encode import _row, split_passage
+    from cachegraft_cli.encode import split_passage
 
     torch.set_num_threads(args.threads)
     session = build_session(args)
@@ -89,7 +92,7 @@ def run(args) -> dict:
                 kvs = engine.fuse([c.ids for c in batch])
                 if cond == "fuse_and_write":
                     for chunk, kv in zip(batch, kvs):
-                        writer.add(_row(chunk), {"fused": kvcache.to_token_major(kv.fused)})
+                        writer.add(chunk.row(), {"fused": kvcache.to_token_major(kv.fused)})
                 times[cond] += time.perf_counter() - t
         t = time.perf_counter()
         entry = writer.commit()

@@ -49,6 +49,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from cachegraft_cli import fusion  # noqa: E402
+from cachegraft_cli.config import pulled_models_dir  # noqa: E402
 from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
 from cachegraft_cli.fusion import FusionEngine  # noqa: E402
@@ -56,8 +57,9 @@ from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E40
 from cachegraft_cli.template import PromptTemplate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path("/root/.cache/cachegraft-test-models")
-DEFAULT_DATA = (REPO / ".." / "shared" / "data" / "qa" / "squad_v1.1_dev.json").resolve()
+MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`
+DEFAULT_DATA = (Path(os.environ.get("CACHEGRAFT_QA_DATA") or REPO / ".." / "shared" / "data" / "qa")
+                / "squad_v1.1_dev.json").resolve()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -214,7 +216,7 @@ def profile_fuse(conditions: dict, batch: list[list[int]], repeats: int = 3) -> 
         for dtype, fuser in fusers.items():
             runs = [timed(lambda: fuser.fuse(own, shared)) for _ in range(repeats)]  # noqa: B023
             fused, parts[f"fuser {dtype}"] = runs[0][0], statistics.median(t for _, t in runs)
-        parts["take (clones)"] = wall(lambda: [(fusion._take(fused, i, len(p)), fusion._take(own, i, len(p)))
+        parts["take (clones)"] = wall(lambda: [(fusion.take(fused, i, len(p)), fusion.take(own, i, len(p)))
                                                for i, p in enumerate(batch)])
         print(f"\n== fuse parts, batch {len(batch)} x <= {max(map(len, batch))} tokens ==")
         for part, secs in parts.items():
@@ -234,10 +236,8 @@ def print_top_ops(fn, label: str) -> None:
 
 
 def ext(engine: FusionEngine, role: str, batch: list[list[int]]):
-    """The passage pass `FusionEngine.fuse` makes for one model (its private helper)."""
-    if role == "receiver":
-        return fusion._extend(engine.receiver, engine._receiver_prefix, batch)
-    return fusion._extend(engine.sharer, engine._sharer_prefix, batch)
+    """The passage pass `FusionEngine.fuse` makes for one model."""
+    return engine.passage_pass(role, batch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cachegraft_cli import fusion
 from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fusion import FusionEngine
 from cachegraft_cli.models import LoadedModel
@@ -125,8 +124,7 @@ def conditions_for(receiver, sharer, fuser, prefix: list[int], batches: list) ->
 def fuser_only(engine: FusionEngine, batches: list):
     """The fuser's share of a fuse: `Fuser.fuse` on caches computed once up front."""
     with torch.inference_mode():
-        inputs = [(fusion._extend(engine.receiver, engine._receiver_prefix, b),
-                   fusion._extend(engine.sharer, engine._sharer_prefix, b)) for b in batches]
+        inputs = [(engine.passage_pass("receiver", b), engine.passage_pass("sharer", b)) for b in batches]
 
     @torch.inference_mode()
     def run():

@@ -10,10 +10,17 @@ question) runs all systems back to back, the order rotating each time.
 `first_token` (Asker timings) runs from the start of the request - retrieval
 and cache loading included - to the first generated token.
 
+`graft` runs with the library's default assembly (passage order, boundary
+recompute); `--variants` adds graft under other assemblies side by side
+(default: `recompute=0`, the plain stored-cache path, and `blend=0.15`,
+selective recompute), so what recompute costs shows in the same run. The
+text/graft target is checked on the default `graft`.
+
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
 
     python benchmarks/p1_ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
+        [--variants recompute=0,blend=0.15]
 """
 
 from __future__ import annotations
@@ -38,24 +45,37 @@ def parse_args(argv):
     ap.add_argument("--fuser", default=bc.REAL_FUSER, help="closed: the receiver's own caches | random: the pair "
                     "with a random open fuser (slower to encode); graft's ask path is the same")
     ap.add_argument("--store", default=None, help="use this existing store (e.g. one p3_codecs.py made)")
+    ap.add_argument("--variants", default="recompute=0,blend=0.15",
+                    help="comma list of graft assemblies timed beside the default (key=value[+key=value])")
     return ap.parse_args(argv)
 
 
-def measure(asker, questions, k: int, repeats: int) -> tuple[dict, list[float]]:
-    """{system: [timings dict, ...]} over repeats x questions, systems rotated; plus graft read ratios."""
+def conditions(k: int, variants: str) -> dict:
+    """{label: AskOptions}: the systems at the library defaults, plus graft variants `graft@key=value...`."""
+    from cachegraft_cli.evaluation.variants import parse_variant
     from cachegraft_cli.ask import AskOptions
     from cachegraft_cli.generation import GenerationConfig
 
-    options = {s: AskOptions(s, k, generation=GenerationConfig(max_new_tokens=1)) for s in SYSTEMS}
-    out = {s: [] for s in SYSTEMS}
+    labels = list(SYSTEMS) + ["graft@" + v.replace("+", "@") for v in variants.split(",") if v.strip()]
+    out = {}
+    for label in labels:
+        variant = parse_variant(label)
+        out[label] = AskOptions(variant.system, k, generation=GenerationConfig(max_new_tokens=1), **variant.overrides)
+    return out
+
+
+def measure(asker, questions, options: dict, repeats: int) -> tuple[dict, list[float]]:
+    """{label: [timings dict, ...]} over repeats x questions, conditions rotated; plus graft read ratios."""
+    out = {s: [] for s in options}
     ratios = []
     turn = 0
     for r in range(repeats):
         for q in questions:
-            for system in bc.rotated(list(SYSTEMS), turn):
+            for system in bc.rotated(list(options), turn):
                 before = asker.store.stats.bytes
                 res = asker.ask(q.question, options[system])
-                out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"]})
+                out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"],
+                                                     "recomputed": res["tokens"]["recomputed"]})
                 if system == "graft":
                     ids = [p["id"] for p in res["passages"]]
                     ratios.append((asker.store.stats.bytes - before) / bc.stored_bytes(asker.store, ids))
@@ -65,7 +85,7 @@ def measure(asker, questions, k: int, repeats: int) -> tuple[dict, list[float]]:
 
 
 def summarise(runs: dict) -> dict:
-    keys = ("retrieve", "load", "prefill", "first_token", "prompt_tokens")
+    keys = ("retrieve", "load", "prefill", "first_token", "prompt_tokens", "recomputed")
     return {s: {key: bc.median(t[key] for t in ts) for key in keys} for s, ts in runs.items()}
 
 
@@ -84,21 +104,26 @@ def main(argv=None) -> int:
     for s in SYSTEMS:
         asker.warm(s)
     start_machine = bc.machine()
-    runs, read_ratios = measure(asker, questions, args.k, args.repeats)
+    options = conditions(args.k, args.variants)
+    runs, read_ratios = measure(asker, questions, options, args.repeats)
     med = summarise(runs)
-    ttft = {s: med[s]["first_token"] for s in SYSTEMS}
+    ttft = {s: med[s]["first_token"] for s in options}
     ratios = {f"{s}/graft": ttft[s] / ttft["graft"] for s in SYSTEMS if s != "graft"}
-    rows = [[s, med[s]["prompt_tokens"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"], ttft[s]] for s in SYSTEMS]
+    variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith("graft@")}
+    rows = [[s, med[s]["prompt_tokens"], med[s]["recomputed"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"],
+             ttft[s]] for s in options]
     bc.print_table(f"P1 time to first token, k={args.k}, median of {len(questions)} questions x {args.repeats} repeats (s)",
-                   ["system", "prompt_tok", "retrieve", "load", "prefill", "first_token"], rows)
+                   ["system", "question_tok", "recomputed_tok", "retrieve", "load", "prefill", "first_token"], rows)
     for name, value in ratios.items():
         print(f"{name}: {value:.1f}x  -> {bc.verdict(value, TARGETS[name], at_most=False)}")
+    for name, value in variants.items():
+        print(f"{name}: {value:.1f}x (floor for a default: 6x)")
     read = bc.median(read_ratios)
     print(f"P4a (real store) bytes read by one graft ask / stored bytes of its k passages: median {read:.3f}, "
           f"max {max(read_ratios):.3f} -> {bc.verdict(read, 1.5)}")
     print(f"machine at start: {start_machine}; at end: loadavg {bc.machine()['loadavg']}")
     bc.emit({"bench": "p1_ttft", "k": args.k, "questions": len(questions), "repeats": args.repeats,
-             "passages": len(passages), "median": med, "ratios": ratios, "targets": TARGETS,
+             "passages": len(passages), "median": med, "ratios": ratios, "variant_ratios": variants, "targets": TARGETS,
              "p4_read_ratio_real": {"median": read, "max": max(read_ratios)},
              "machine_start": start_machine, "machine_end": bc.machine()})
     return 0

@@ -1,6 +1,6 @@
 """Answer questions from a store: retrieve -> load caches -> assemble -> generate.
 
-Systems (DESIGN.md section 6), all with the same template and ids:
+Systems (docs/method.md section 3; names in `systems.py`), all with the same template and ids:
 - graft: the receiver with fused passage caches (no sharer is loaded);
 - adapter: the same, from a store encoded with an adapter fuser (trained with
   the sharer's input zeroed): isolates task adaptation from the sharer;
@@ -9,9 +9,9 @@ Systems (DESIGN.md section 6), all with the same template and ids:
 - closed: the receiver with no passages;
 - sharer-text: the sharer with the passages as text (reference ceiling).
 
-Position schemes for stored caches: `rotate` places passages one after another
-and re-rotates each key block by its offset; `shared` keeps every passage at
-its canonical positions and starts the question after the longest.
+How stored caches are put together (passage order, position scheme, boundary
+and selective recompute) is `assembly.py`; the order applies to the text
+systems too.
 """
 
 from __future__ import annotations
@@ -21,13 +21,20 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
-from cachegraft_cli.errors import NoPassagesError, UsageError
-from cachegraft_cli.generation import GenerationConfig
+from cachegraft_cli.assembly import (
+    DEFAULT_ORDER,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEME,
+    ORDERS,
+    SCHEMES,
+    AssemblyOptions,
+    in_prompt_order,
+)
+from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
+from cachegraft_cli.generation import GenerationConfig, Prompt
+from cachegraft_cli.systems import CACHE_KIND, SYSTEMS, check_name, check_question
 
-SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
-SCHEMES = ("rotate", "shared")
-DEFAULT_SCHEME = "rotate"
-CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}
+__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
 
 
 @dataclass
@@ -36,12 +43,20 @@ class AskOptions:
     k: int = 3
     scheme: str = DEFAULT_SCHEME
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    order: str = DEFAULT_ORDER
+    recompute: int = DEFAULT_RECOMPUTE  # boundary tokens per passage after the first (stored-cache systems)
+    blend: float = 0.0  # CacheBlend-style share of the other passage tokens recomputed (opt-in: costs a forward)
+    blend_layer: int = 1
+
+    @property
+    def assembly(self) -> AssemblyOptions:
+        return AssemblyOptions(self.order, self.scheme, self.recompute, self.blend, self.blend_layer)
 
     def check(self) -> None:
-        if self.system not in SYSTEMS:
-            raise UsageError(f"Unknown system {self.system!r}.", f"Choose one of: {', '.join(SYSTEMS)}.")
-        if self.scheme not in SCHEMES:
-            raise UsageError(f"Unknown position scheme {self.scheme!r}.", f"Choose one of: {', '.join(SCHEMES)}.")
+        check_name(self.system)
+        if self.k < 1:
+            raise UsageError(f"-k must be at least 1, got {self.k}.", "Use e.g. -k 3.")
+        self.assembly.check()
 
 
 class Asker:
@@ -55,7 +70,8 @@ class Asker:
         self.store = CacheStore.open(store_url)
         self.store_url = store_url
         if len(self.store) == 0:
-            raise NoPassagesError(f"Store {store_url} has no passages.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+            raise NoPassagesError(f"Store {store_url} has no passages.",
+                                  f"Run `cachegraft encode CORPUS --store {store_url}` first.")
         self.session = session or session_for_store(self.store, overrides)
         self.index_kind = index_kind
 
@@ -73,81 +89,70 @@ class Asker:
         return self.session.receiver
 
     @cached_property
-    def _prefix(self):
+    def _assembler(self):
         from cachegraft_cli import kvcache
+        from cachegraft_cli.assembly import Assembler
 
         r = self.receiver
-        return kvcache.from_token_major(self.store.prefix(), r.dtype, r.device)
-
-    @cached_property
-    def _rotator(self):
-        from cachegraft_cli.kvcache import KeyRotator
-
-        return KeyRotator.for_model(self.receiver.model)
+        return Assembler(r, kvcache.from_token_major(self.store.prefix(), r.dtype, r.device))
 
     def warm(self, system: str) -> None:
         """Load the index and the models a system needs, so timings cover answering only."""
-        if system != "closed":
-            self.index
-        if system == "sharer-text":
-            self.session.sharer
-        else:
-            self.receiver
+        loaded = [self.index] if system != "closed" else []  # cached properties: touching them loads them
+        loaded.append(self.session.sharer if system == "sharer-text" else self.receiver)
         if system in CACHE_KIND:
-            self._prefix, self._rotator
+            loaded.append(self._assembler)
 
     def check_system(self, system: str) -> None:
-        """`graft` and `adapter` name what the store's fuser is; refuse the wrong one."""
-        fuser = self.store.identity.get("fuser") or {}
-        is_adapter = fuser.get("sharer_input") == "zero"
-        if system == "adapter" and not is_adapter:
-            raise UsageError(f"Store {self.store_url} was not encoded with an adapter fuser.",
-                             "Encode a store with --fuser <adapter dir> (train-fuser --sharer-input zero) for this system.")
-        if system == "graft" and is_adapter:
-            raise UsageError(f"Store {self.store_url} holds adapter caches (its fuser never saw the sharer).",
-                             "Ask it with --system adapter, or use a store encoded with a sharer-fed fuser.")
+        """Refuse a system this store cannot serve (`systems.check_system`)."""
+        from cachegraft_cli.systems import check_system
+
+        check_system(self.store, system)
 
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
         options.check()
         self.check_system(options.system)
-        if not question.strip():
-            raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
+        check_question(question)
+        from cachegraft_cli.generation import generate
+
         t0 = time.perf_counter()
         hits = self.retrieve(question, options.k) if options.system != "closed" else []
         t_retrieve = time.perf_counter()
-        gen, t_load = self._generate(question, hits, options, on_text, t0)
+        lm, prompt = self._prompt(question, hits, options)
+        t_load = time.perf_counter()
+        gen = generate(lm, prompt, options.generation, on_text, t0)
         timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
-        return _result(question, gen, hits, self.store.get_rows([h.id for h in hits]), options, timings)
+        return _result(question, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings)
 
     def retrieve(self, question: str, k: int):
         hits = self.index.search(question, k)
         if not hits:
             raise NoPassagesError(
                 f"No passage matched the question {question!r}.",
-                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind dense`).",
+                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind "
+                "dense`).",
             )
         return hits
 
-    def _generate(self, question, hits, options: AskOptions, on_text, t0):
-        from cachegraft_cli.generation import generate
-
-        lm, past, ids, start = self._prompt(question, hits, options)
-        t_load = time.perf_counter()
-        return generate(lm, past, ids, start, options.generation, on_text, t0), t_load
-
-    def _prompt(self, question: str, hits, options: AskOptions):
-        """(model, past KV or None, input ids, first position) for one question."""
+    def _prompt(self, question: str, hits, options: AskOptions) -> tuple[object, Prompt]:
+        """(model, prompt) for one question; `hits` in retrieval rank order."""
+        ids = [h.id for h in in_prompt_order(hits, options.order)]
         if options.system in CACHE_KIND:
-            past, start = self._assemble([h.id for h in hits], CACHE_KIND[options.system], options.scheme)
-            return self.receiver, past, self.session.template.question_ids(question), start
-        lm, template = self._text_model(options.system)
-        rows = self.store.get_rows([h.id for h in hits])
-        ids = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
-        return lm, None, ids + template.question_ids(question), 0
+            lm, prompt = self.receiver, self._assemble(ids, question, CACHE_KIND[options.system], options)
+        else:
+            lm, template = self._text_model(options.system)
+            rows = self.store.get_rows(ids)
+            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
+            prompt = Prompt.plain(None, tokens + template.question_ids(question), 0)
+        _check_context(lm, prompt, options.generation.max_new_tokens)
+        return lm, prompt
 
     def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8) -> list[dict]:
-        """Answer questions in batches of `batch_size` (one batched decode each);
-        timings are per batch, shared by its questions."""
+        """Answer questions in batches of `batch_size` (one batched decode each).
+
+        Timings: `load` (reading and assembling the question's caches) is the
+        question's own; what the batch does at once (retrieval, the batched
+        prefill and decode) is under `batch`, the same for every question of it."""
         from cachegraft_cli.generation import generate_batch
 
         options.check()
@@ -158,15 +163,21 @@ class Asker:
             t0 = time.perf_counter()
             hit_lists = self._retrieve_many(chunk, options)
             t_retrieve = time.perf_counter()
-            prompts = [self._prompt(q, hits, options) for q, hits in zip(chunk, hit_lists)]
+            prompts, loads = [], []
+            for q, hits in zip(chunk, hit_lists):
+                start = time.perf_counter()
+                prompts.append(self._prompt(q, hits, options))
+                loads.append(time.perf_counter() - start)
             t_load = time.perf_counter()
-            gens = generate_batch(prompts[0][0], [p[1] for p in prompts], [p[2] for p in prompts],
-                                  [p[3] for p in prompts], options.generation)
-            for q, hits, gen in zip(chunk, hit_lists, gens):
-                timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
-                           **{k: v + (t_load - t0) for k, v in gen.timings.items() if k != "prefill"},
-                           "prefill": gen.timings["prefill"]}
-                results.append(_result(q, gen, hits, self.store.get_rows([h.id for h in hits]), options, timings))
+            gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation)
+            first = gens[0].timings
+            shared = {"questions": len(chunk), "retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
+                      "prefill": first["prefill"], "first_token": t_load - t0 + first["first_token"],
+                      "total": t_load - t0 + first["total"]}
+            for q, hits, (_, prompt), gen, load in zip(chunk, hit_lists, prompts, gens, loads):
+                timings = {"load": load, "batch": {k: round(v, 4) for k, v in shared.items()}}
+                rows = self.store.get_rows([h.id for h in hits])
+                results.append(_result(q, gen, prompt, hits, rows, options, timings))
         return results
 
     def _retrieve_many(self, questions: list[str], options: AskOptions):
@@ -186,38 +197,61 @@ class Asker:
             return sharer, PromptTemplate.for_tokenizer(sharer.tokenizer, self.session.choice.instruction)
         return self.receiver, self.session.template
 
-    def _assemble(self, ids: list[str], kind: str, scheme: str):
-        """Batched past KV (prefix + passages) and the question's first position."""
-        from cachegraft_cli import kvcache
-
+    def _assemble(self, ids: list[str], question: str, kind: str, options: AskOptions) -> Prompt:
+        """The prompt over the stored caches of `ids` (prompt order): past, recomputed tokens, question."""
         if kind not in self.store.kinds:
             raise UsageError(
                 f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
-                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` system.",
+                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` "
+                "system.",
             )
-        r = self.receiver
         arrays = self.store.read(ids, kind=kind)
-        base = kvcache.num_tokens(self._prefix)
-        parts, position = [self._prefix], base
-        for array in arrays:
-            kv = kvcache.from_token_major(array, r.dtype, r.device)
-            if scheme == "rotate":
-                kv = self._rotator.rotate(kv, position - base)
-                position += len(array)
-            parts.append(kv)
-        if scheme == "shared":
-            position = base + max(len(a) for a in arrays)
-        return kvcache.batched(kvcache.concat_tokens(parts)), position
+        assembly = options.assembly
+        needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
+        passage_ids = self._passage_ids(ids, arrays) if needs_ids else []
+        return self._assembler.prompt(arrays, passage_ids, self.session.template.question_ids(question), assembly)
+
+    def _passage_ids(self, ids: list[str], arrays) -> list[list[int]]:
+        """Token ids of the stored passages (re-tokenized), checked against their caches' lengths."""
+        template = self.session.template
+        out = []
+        for row, array in zip(self.store.get_rows(ids), arrays):
+            tokens = template.passage_ids(row.title, row.text)
+            if len(tokens) != len(array):
+                raise StoreMismatchError(
+                    f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache holds {len(array)}.",
+                    "The tokenizer differs from the one the store was encoded with; "
+                    "ask with --recompute 0, or re-encode.",
+                )
+            out.append(tokens)
+        return out
 
 
-def _result(question: str, gen, hits, rows, options: AskOptions, timings: dict) -> dict:
+def _check_context(lm, prompt: Prompt, max_new_tokens: int) -> None:
+    """Refuse a prompt the model cannot place: RoPE positions beyond its window."""
+    from cachegraft_cli.models import context_window
+
+    window = context_window(lm)
+    need = prompt.end_position + max_new_tokens
+    if window is not None and need > window:
+        raise UsageError(
+            f"The prompt reaches position {prompt.end_position} and --max-new-tokens adds {max_new_tokens}: "
+            f"{need} positions, but {lm.spec} has a context window of {window}.",
+            "Lower -k (fewer passages) or --max-new-tokens.",
+        )
+
+
+def _result(question: str, gen, prompt: Prompt, hits, rows, options: AskOptions, timings: dict) -> dict:
+    stored = options.system in CACHE_KIND
     return {
         "question": question,
         "answer": gen.text,
         "passages": [{"id": h.id, "title": row.title, "score": round(float(h.score), 4)} for h, row in zip(hits, rows)],
         "system": options.system,
         "k": options.k,
-        "scheme": options.scheme if options.system in CACHE_KIND else None,
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-        "tokens": {"prompt": gen.prompt_tokens, "generated": len(gen.token_ids)},
+        "order": options.order if hits else None,
+        "scheme": options.scheme if stored else None,
+        "recompute": {"tokens": options.recompute, "blend": options.blend} if stored else None,
+        "timings": {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()},
+        "tokens": {"prompt": gen.prompt_tokens, "recomputed": prompt.recomputed, "generated": len(gen.token_ids)},
     }

@@ -96,6 +96,7 @@ class CorpusReader:
         self.examples: list[str] = []
         self.count = 0
         self._spool: IO[bytes] | None = None  # stdin, copied to a temp file on first read
+        self.records: list = []  # the "records" format only (`from_records`)
 
     def __iter__(self) -> Iterator[Passage]:
         self.skipped, self.examples, self.count = Counter(), [], 0
@@ -132,7 +133,7 @@ class CorpusReader:
     def _records(self) -> Iterable[Any]:
         """Callables building one Passage each or raising `_Bad` (so a bad record is skippable)."""
         readers = {"jsonl": _jsonl_records, "csv": _csv_records, "tsv": _csv_records,
-                   "json": _json_records, "dir": _dir_records}
+                   "json": _json_records, "dir": _dir_records, "records": _memory_records}
         return readers[self.format](self)
 
     def open_binary(self) -> tuple[IO, bool]:
@@ -173,6 +174,31 @@ def read_corpus(
     source = str(source)
     fmt = _detect_format(source, format)
     return CorpusReader(source, fmt, _Fields(id_field, text_field, title_field), skip_bad, stdin)
+
+
+def from_records(
+    records: Iterable[Passage | dict],
+    *,
+    id_field: str = "id",
+    text_field: str = "text",
+    title_field: str = "title",
+    skip_bad: bool = False,
+    name: str = "<records>",
+) -> CorpusReader:
+    """A corpus of in-memory `Passage`s and/or dicts (checked like JSONL objects; other
+    fields become metadata). Hints name records as `name: [i]`."""
+    reader = CorpusReader(name, "records", _Fields(id_field, text_field, title_field), skip_bad, None)
+    reader.records = list(records)
+    return reader
+
+
+def _memory_records(reader: CorpusReader) -> Iterator[Any]:
+    used = {reader.fields.id, reader.fields.text, reader.fields.title}
+    for i, rec in enumerate(reader.records):
+        if isinstance(rec, Passage):
+            yield lambda rec=rec: rec
+        else:
+            yield _json_list_item(reader, rec, i, used)
 
 
 def _detect_format(source: str, override: str | None) -> str:
@@ -272,7 +298,8 @@ class _LineDecoder:
     """Decodes a binary file line by line for `csv`, remembering undecodable lines."""
 
     def __init__(self, stream: IO[bytes]):
-        self.stream, self.bad, self.lineno = stream, {}, 0
+        self.stream, self.lineno = stream, 0
+        self.bad: dict[int, str] = {}
 
     def __iter__(self) -> Iterator[str]:
         for raw in self.stream:

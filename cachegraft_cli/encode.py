@@ -5,20 +5,22 @@ is skipped, and rows become visible only when their segment commits (every
 `commit_every` passages and at the end), so an interrupted run loses at most
 one uncommitted window and a re-run finishes the job without duplicates.
 
-Order (what makes two writers, a kill or a full disk harmless):
+Order (what makes two writers, a kill or a full disk harmless, and an append cheap):
   1. the corpus is read and checked by the caller (`check_corpus`), the target
      store by `preflight`: nothing is written, no model is loaded;
   2. the store's writer lock is taken (a second writer is refused at once);
-  3. the models load, the store is created or opened: the plan is made
-     against the manifest as it is once the lock is held;
-  4. the corpus is streamed again, window by window, each window one segment.
+  3. the plan is made against the manifest as it is once the lock is held,
+     with the tokenizer alone: a corpus the store holds already loads no model;
+  4. the models load (the store's own for an append), the store is created or
+     opened, and the corpus is streamed again, window by window, each window
+     one segment.
 The corpus is never held in memory as a whole: it is read once per step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -26,12 +28,13 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
+_UNSET = object()
 MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
 
 
 @dataclass
 class EncodeOptions:
-    codec: str = "bf16"
+    codec: str | None = None  # None: the existing store's codec, bf16 for a new store
     batch_size: int = 8
     max_passage_tokens: int = 512
     also_own_cache: bool = False
@@ -40,7 +43,8 @@ class EncodeOptions:
     def __post_init__(self):
         from cachegraft_cli.store.codecs import CODECS
 
-        if self.codec not in CODECS:  # checked here, before any model loads (tens of seconds)
+        # checked here, before any model loads (tens of seconds)
+        if self.codec is not None and self.codec not in CODECS:
             raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
         _check_range("batch size", self.batch_size, 1, MAX_BATCH_SIZE)
         _check_range("max passage tokens", self.max_passage_tokens, 16, 1 << 20)
@@ -71,9 +75,13 @@ class EncodeSummary:
     seconds: float = 0.0
     segments: list[str] = field(default_factory=list)
     skipped_reasons: dict = field(default_factory=dict)
+    fuser: str | None = None  # the fuser spec the store's caches come from ("closed": none)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def finish(self) -> None:
+        self.bytes_per_token = round(self.bytes / self.tokens, 2) if self.tokens else 0.0
 
 
 @dataclass
@@ -97,6 +105,40 @@ class Chunk:
     @property
     def id(self) -> str:
         return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
+
+    def row(self):
+        """The store row this chunk is written as (a piece of a long passage names its parent and span)."""
+        from cachegraft_cli.store import PassageRow
+
+        p = self.passage
+        meta = dict(p.metadata)
+        if self.span is not None:
+            meta["char_span"] = list(self.span)
+        return PassageRow(
+            id=self.id,
+            title=p.title,
+            text=self.text,
+            content_hash=self.content_hash,
+            metadata=meta,
+            parent_id=p.id if self.index is not None else None,
+            chunk_index=self.index,
+        )
+
+    def to_record(self) -> dict:
+        """A plain-JSON form, to hand a planned chunk to another process (a Ray actor).
+
+        The passage's full text is not carried: a chunk's row needs only its own piece."""
+        p = self.passage
+        return {"id": p.id, "title": p.title, "metadata": p.metadata, "source": p.source, "line": p.line,
+                "text": self.text, "ids": self.ids, "block": self.block, "index": self.index,
+                "span": list(self.span) if self.span is not None else None}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Chunk:
+        passage = Passage(record["id"], record["title"], record["text"], record["metadata"], record["source"],
+                          record["line"])
+        span = tuple(record["span"]) if record["span"] is not None else None
+        return cls(passage, record["text"], list(record["ids"]), record["block"], record["index"], span)
 
 
 def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
@@ -163,11 +205,55 @@ def check_corpus(reader) -> int:
     if reader.format == "dir":
         raise CorpusError(f"{reader.source}: no readable .txt or .md file in this directory.",
                           "Point at a directory of .txt/.md files, or at a JSONL/CSV/JSON corpus.")
-    raise CorpusError(f"{_label(reader.source)}: the corpus holds no passages.", "Give a corpus with at least one passage.")
+    raise CorpusError(f"{_label(reader.source)}: the corpus holds no passages.",
+                      "Give a corpus with at least one passage.")
 
 
 def _label(source: str) -> str:
     return "<stdin>" if source == "-" else source
+
+
+def encode_into(
+    store_url: str,
+    passages: Iterable[Passage],
+    options: EncodeOptions | None = None,
+    *,
+    preset: str | None = None,
+    receiver: str | None = None,
+    sharer: str | None = None,
+    fuser: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    instruction: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    ray=None,
+    planned: Callable[[int], None] | None = None,
+) -> EncodeSummary:
+    """Encode passages into a store with the models the user chose: a new store takes the
+    preset (or the paper's pair) with overrides, an existing one its own models
+    (`session.choice_for_encode`). `ray` (`engines.ray_engine.RayOptions`) runs the
+    fusion on Ray actors instead of in this process; the store is the same. `passages` is
+    read more than once (see `encode_corpus`); `planned(n)` hears how many chunks will be
+    encoded, once the plan under the lock knows it."""
+    from dataclasses import replace
+
+    from cachegraft_cli.session import choice_for_encode, open_existing
+    from cachegraft_cli.store.preflight import check_target
+
+    options = options or EncodeOptions()
+    check_target(store_url, options.codec, options.kinds)  # a file, a foreign directory, a lost manifest: first
+    store = open_existing(store_url)
+    choice = choice_for_encode(store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
+                               trust_remote_code=trust_remote_code or None, instruction=instruction).check()
+    if ray is None:
+        return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store,
+                             planned=planned)
+    from cachegraft_cli.engines.ray_engine import encode_on_ray
+
+    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
+    return encode_on_ray(passages, store_url, choice, replace(options, codec=codec), ray, progress=progress,
+                         planned=planned)
 
 
 def encode_corpus(
@@ -177,14 +263,19 @@ def encode_corpus(
     options: EncodeOptions,
     progress: Callable[[int, int], None] | None = None,
     total: int | None = None,
+    existing=_UNSET,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into the store at `store_url` (created if missing).
+    """Encode passages into the store at `store_url` (created if missing), in the order of
+    the module docstring.
 
-    `passages` is read more than once (plan, then write): a `CorpusReader` or a
-    list; a one-shot iterator is listed first. `planned(n)` hears how many
-    chunks will be encoded, once that is known.
-    """
+    `passages` is read more than once (plan, then write): a `CorpusReader` or a list; a
+    one-shot iterator is listed first. A corpus that is already stored loads no model at
+    all. `planned(n)` hears how many chunks will be encoded, once that is known;
+    `progress(0, 0)` is called once when the models are loaded and encoding starts, then
+    `progress(passages, tokens)` after each batch. `existing` is the store already opened
+    by the caller (None: there was none yet)."""
+    from cachegraft_cli.session import open_existing
     from cachegraft_cli.storage import writing
     from cachegraft_cli.store.lock import lock_store
     from cachegraft_cli.store.preflight import check_target
@@ -192,51 +283,63 @@ def encode_corpus(
 
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
-    check_target(store_url, options.codec, options.kinds)
-    summary = EncodeSummary(store=store_url)
+    store = open_existing(store_url) if existing is _UNSET else existing
+    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
+    check_target(store_url, codec, options.kinds)  # codec, cache kinds, a lost manifest: before the lock
+    summary = EncodeSummary(store=store_url, fuser=session.choice.fuser or "closed")
     with lock_store(store_url, {"tool": "cachegraft encode"}) as lock:
-        store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
-        recover(store)  # committed-but-unlisted segments count as stored before the plan is made
-        todo = _plan(source, store, session.template, options, summary)
+        store = store if store is not None else open_existing(store_url)  # another writer may have made it
+        if store is not None:
+            recover(store)  # committed-but-unlisted segments count as stored before the plan is made
+        known = store.content_hashes() if store is not None else {}
+        count = sum(1 for _ in new_chunks(source, known, session.template, options, summary))
         if planned:
-            planned(todo)
-        with writing(store_url, "write the store"):
-            _write(_todo(source, store, session.template, options), store, session, options, summary, progress, lock)
+            planned(count)
+        if count or store is None or not session.names_match(store):  # other models named: load them to check
+            if store is not None:
+                session.check_template(store)
+            store = session.open_or_create_store(store_url, codec, options.also_own_cache)
+            if progress:
+                progress(0, 0)
+            with writing(store_url, "write the store"):
+                _write(new_chunks(source, known, session.template, options), store, session, options, summary,
+                       progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)
-    summary.bytes_per_token = round(summary.bytes / summary.tokens, 2) if summary.tokens else 0.0
+    summary.finish()
     return summary
 
 
-def _corpus_chunks(passages, template, options: EncodeOptions, summary: EncodeSummary | None = None):
-    """Every chunk of every passage, in corpus order (counted into `summary` when given)."""
+def plan_chunks(passages, known: dict, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+    """The chunks to encode, as a list (an engine that ships them elsewhere); see `new_chunks`."""
+    return list(new_chunks(passages, known, template, options, summary))
+
+
+def new_chunks(passages, known: dict, template, options: EncodeOptions,
+               summary: EncodeSummary | None = None) -> Iterator[Chunk]:
+    """Every chunk of `passages` the store lacks, in corpus order, each checked against the
+    store: same id, same content hash is stored already (identical text under two ids is
+    stored twice); same id, other text is refused. A passage stored whole is recognised by
+    its hash alone; only the others are tokenised. Counted into `summary` when given."""
+    from cachegraft_cli.store import content_hash_of
+    from cachegraft_cli.template import passage_block
+
+    seen: set[str] = set()
     for passage in passages:
-        chunks = split_passage(passage, template, options.max_passage_tokens)
         if summary is not None:
             summary.passages_read += 1
-            summary.chunks_split += len(chunks) - 1
-        yield from chunks
-
-
-def _plan(passages, store, template, options: EncodeOptions, summary: EncodeSummary) -> int:
-    """Check every chunk against the store before writing anything; how many are new
-    (same id, same content hash: stored already; identical text under two ids is stored twice)."""
-    known = store.content_hashes()
-    seen: set[str] = set()
-    for chunk in _corpus_chunks(passages, template, options, summary):
-        _check_changed(chunk, known, chunk.content_hash)
-        if known.get(chunk.id) == chunk.content_hash or chunk.id in seen:  # stored already, or a repeat
-            summary.skipped_existing += 1
+        if known and known.get(passage.id) == content_hash_of(passage_block(passage.title, passage.text)):
+            if summary is not None:
+                summary.skipped_existing += 1
             continue
-        seen.add(chunk.id)
-    return len(seen)
-
-
-def _todo(passages, store, template, options: EncodeOptions):
-    """The chunks `_plan` counted, streamed again (the plan checked them all)."""
-    known = store.content_hashes()
-    seen: set[str] = set()
-    for chunk in _corpus_chunks(passages, template, options):
-        if known.get(chunk.id) != chunk.content_hash and chunk.id not in seen:
+        chunks = split_passage(passage, template, options.max_passage_tokens)
+        if summary is not None:
+            summary.chunks_split += len(chunks) - 1
+        for chunk in chunks:
+            _check_changed(chunk, known, chunk.content_hash)
+            if known.get(chunk.id) == chunk.content_hash or chunk.id in seen:  # stored already, or a repeat
+                if summary is not None:
+                    summary.skipped_existing += 1
+                continue
             seen.add(chunk.id)
             yield chunk
 
@@ -250,13 +353,33 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
+def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[list[Chunk]]:
+    """The planned chunks cut into commit windows: one segment each, whatever engine writes them.
+    Streamed: only one window is held at a time."""
+    window: list[Chunk] = []
+    for chunk in todo:
+        window.append(chunk)
+        if len(window) == options.commit_every:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def run_info(window: list[Chunk], engine: str = "local") -> dict:
+    info = {"tool": "cachegraft encode", "passages": len(window)}
+    return info if engine == "local" else {**info, "engine": engine}
+
+
 def reencode_rows(store_url: str, rows: list, session: ModelSession, options: EncodeOptions, lock) -> EncodeSummary:
     """Encode stored rows again (passages `store repair` dropped), from their stored text, chunk by
     chunk as they were split; the caller holds the store's lock. A row whose block the loaded
     template does not reproduce (its content hash differs) is skipped and counted as bad."""
     from cachegraft_cli.storage import writing
+    from cachegraft_cli.store import CacheStore
 
-    store = session.open_or_create_store(store_url, options.codec, options.also_own_cache)
+    codec = options.codec or CacheStore.check_exists(store_url)["identity"]["codec"]
+    store = session.open_or_create_store(store_url, codec, options.also_own_cache)
     summary = EncodeSummary(store=store_url)
     chunks = []
     for row in rows:
@@ -276,33 +399,31 @@ def _chunk_of_row(row, template) -> Chunk:
     meta = dict(row.metadata or {})
     span = tuple(meta.pop("char_span")) if "char_span" in meta else None
     passage = Passage(row.parent_id or row.id, row.title, row.text, meta)
-    return Chunk(passage, row.text, template.passage_ids(row.title, row.text), template.passage_block(row.title, row.text),
-                 row.chunk_index, span)  # type: ignore[arg-type]
+    return Chunk(passage, row.text, template.passage_ids(row.title, row.text),
+                 template.passage_block(row.title, row.text), row.chunk_index, span)
 
 
-def _write(chunks, store, session: ModelSession, options: EncodeOptions, summary, progress, lock) -> None:
-    """Encode in commit windows; each window is one segment, visible once committed."""
-    for window in _windows(chunks, options.commit_every):
-        with store.writer({"tool": "cachegraft encode", "passages": len(window)}, lock=lock) as writer:
-            for batch in _batches(window, options.batch_size):
-                _encode_batch(batch, writer, session, options, summary)
-                if progress:
-                    progress(len(batch), sum(len(c.ids) for c in batch))
+def _write(chunks: Iterable[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress,
+           lock=None) -> None:
+    """Encode in commit windows; each window is one segment, visible once committed. `lock`:
+    the writer lock the caller holds for the whole run."""
+    for window in commit_windows(chunks, options):
+        with store.writer(run_info(window), lock=lock) as writer:
+            encode_window(window, writer, session, options, summary, progress)
             entry = writer.commit()
         if entry:
             summary.segments.append(entry["name"])
             summary.bytes += sum(entry["bytes"].values())
 
 
-def _windows(chunks, size: int):
-    window: list[Chunk] = []
-    for chunk in chunks:
-        window.append(chunk)
-        if len(window) == size:
-            yield window
-            window = []
-    if window:
-        yield window
+def encode_window(window: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary,
+                  progress=None) -> None:
+    """Fuse one window's chunks into `writer` (not committed), in the local engine's batches:
+    the same window always gives the same batches, so the same bits on the same hardware."""
+    for batch in _batches(window, options.batch_size):
+        _encode_batch(batch, writer, session, options, summary)
+        if progress:
+            progress(len(batch), sum(len(c.ids) for c in batch))
 
 
 def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
@@ -317,24 +438,6 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)
-        writer.add(_row(chunk), caches)
+        writer.add(chunk.row(), caches)
         summary.added += 1
         summary.tokens += len(chunk.ids)
-
-
-def _row(chunk: Chunk):
-    from cachegraft_cli.store import PassageRow
-
-    p = chunk.passage
-    meta = dict(p.metadata)
-    if chunk.span is not None:
-        meta["char_span"] = list(chunk.span)
-    return PassageRow(
-        id=chunk.id,
-        title=p.title,
-        text=chunk.text,
-        content_hash=chunk.content_hash,
-        metadata=meta,
-        parent_id=p.id if chunk.index is not None else None,
-        chunk_index=chunk.index,
-    )

@@ -21,6 +21,10 @@ class CacheGraftError(Exception):
     def __str__(self) -> str:
         return f"{self.message} {self.hint}".strip() if self.hint else self.message
 
+    def __reduce__(self):
+        """Pickle with the hint (errors raised in another process, e.g. a Ray worker, keep it)."""
+        return (type(self), (self.message, self.hint))
+
 
 class UsageError(CacheGraftError):
     """Bad option values or combinations."""
@@ -108,3 +112,9 @@ class StorageError(CacheGraftError):
 
 class DiskFullError(StorageError):
     """No space left (ENOSPC, or over quota) while writing."""
+
+
+class EngineError(CacheGraftError):
+    """The distributed engine failed: the cluster is unreachable, or tasks kept failing after their retries."""
+
+    exit_code = 15

@@ -56,16 +56,15 @@ class FusionEngine:
     def fuse(self, passages: list[list[int]]) -> list[PassageKV]:
         """Fused and own caches for each passage's token ids, one forward per model."""
         lengths = [len(p) for p in passages]
-        own = _extend(self.receiver, self._receiver_prefix, passages)
+        own = self.passage_pass("receiver", passages)
         fused = own
         if self.sharer is not None:
-            sharer_kv = _extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
-            fused = self.fuser.fuse(own, sharer_kv)
+            fused = self.fuser.fuse(own, self.passage_pass("sharer", passages))
         elif self.zero_sharer:
             zeros = self.fuser.zero_sharer_kv(len(passages), max(lengths), own[0][0].dtype, own[0][0].device)
             fused = self.fuser.fuse(own, zeros)
         return [
-            PassageKV(_take(fused, i, lengths[i]), _take(own, i, lengths[i])) for i in range(len(passages))
+            PassageKV(take(fused, i, lengths[i]), take(own, i, lengths[i])) for i in range(len(passages))
         ]
 
     @torch.inference_mode()
@@ -74,19 +73,29 @@ class FusionEngine:
         (same prefix, positions and batching); sharer None when it is not run.
         Training precomputes these once and reuses them every epoch."""
         lengths = [len(p) for p in passages]
-        own = _extend(self.receiver, self._receiver_prefix, passages)
-        sharer = None
-        if self.sharer is not None:
-            sharer = _extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
+        own = self.passage_pass("receiver", passages)
+        sharer = self.passage_pass("sharer", passages) if self.sharer is not None else None
         return [
-            (_take(own, i, n), _take(sharer, i, n) if sharer is not None else None) for i, n in enumerate(lengths)
+            (take(own, i, n), take(sharer, i, n) if sharer is not None else None) for i, n in enumerate(lengths)
         ]
 
+    def passage_pass(self, role: str, passages: list[list[int]]) -> PlainKV:
+        """One model's batched passage KV after its prefix, unfused: the pass `fuse` makes for
+        `role` ("receiver" or "sharer"; receiver token ids in, aligned for the sharer)."""
+        if role == "receiver":
+            return extend(self.receiver, self._receiver_prefix, passages)
+        if self.sharer is None or self._sharer_prefix is None:
+            raise ValueError("this engine runs no sharer (closed fuser or adapter)")
+        return extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
+
     def _sharer_ids(self, ids: list[int]) -> list[int]:
+        if self.aligner is None:
+            raise ValueError("this engine runs no sharer (closed fuser or adapter)")
         return self.aligner.align(ids)
 
 
-def _take(kv: PlainKV, index: int, length: int) -> PlainKV:
+def take(kv: PlainKV, index: int, length: int) -> PlainKV:
+    """Passage `index` of a batched passage KV, cut to its own `length` (a copy)."""
     return [(k[index, :, :length].clone(), v[index, :, :length].clone()) for k, v in kv]
 
 
@@ -97,7 +106,7 @@ def _prefill(model, ids: list[int]) -> PlainKV:
     return kvcache.from_model_cache(out.cache)
 
 
-def _extend(lm: LoadedModel, prefix: PlainKV, passages: list[list[int]]) -> PlainKV:
+def extend(lm: LoadedModel, prefix: PlainKV, passages: list[list[int]]) -> PlainKV:
     """Passage-section KV (batch, heads, max_len, dim) computed after the prefix."""
     width = max(len(p) for p in passages)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0

@@ -27,6 +27,42 @@ class GenerationConfig:
 
 
 @dataclass
+class Prompt:
+    """What the receiver reads in its first forward after a past.
+
+    `ids` are read at `positions`. With `visible` None every id sees the whole
+    past and the ids before it (plain causal). Otherwise `visible` is a boolean
+    `(len(ids), past slots + len(ids))` matrix saying which slots each id sees,
+    and `hidden` lists past slots that the answer must not see: stored passage
+    tokens that `ids` recompute in context (see `assembly.py`).
+    """
+
+    past: PlainKV | None
+    ids: list[int]
+    positions: list[int]
+    visible: torch.Tensor | None = None
+    hidden: list[int] = field(default_factory=list)
+    recomputed: int = 0  # how many of `ids` (the first ones) are recomputed passage tokens
+
+    @classmethod
+    def plain(cls, past: PlainKV | None, ids: list[int], start: int) -> "Prompt":
+        return cls(past, list(ids), list(range(start, start + len(ids))))
+
+    @property
+    def past_tokens(self) -> int:
+        return kvcache.num_tokens(self.past) if self.past else 0
+
+    @property
+    def question_tokens(self) -> int:
+        return len(self.ids) - self.recomputed
+
+    @property
+    def end_position(self) -> int:
+        """The position after the last id: where generated tokens go."""
+        return self.positions[-1] + 1 if self.positions else 0
+
+
+@dataclass
 class Generation:
     token_ids: list[int]
     text: str
@@ -43,7 +79,7 @@ def stop_ids(lm) -> set[int]:
 
 
 def _find_stop_ids(lm) -> set[int]:
-    ids = set()
+    ids: set[int] = set()
     for source in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
         eos = getattr(source, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -58,14 +94,12 @@ def _find_stop_ids(lm) -> set[int]:
 @torch.inference_mode()
 def generate(
     lm,
-    past: PlainKV | None,
-    input_ids: list[int],
-    start_position: int,
+    prompt: Prompt,
     config: GenerationConfig | None = None,
     on_text: Callable[[str], None] | None = None,
     started: float | None = None,
 ) -> Generation:
-    """Generate after `past` (batched KV, batch 1), reading `input_ids` at `start_position`.
+    """Generate after `prompt.past` (batched KV, batch 1), reading `prompt.ids` first.
 
     `started` is when the caller began the request, so `first_token` covers
     retrieval and cache loading too.
@@ -73,9 +107,8 @@ def generate(
     config = config or GenerationConfig()
     t_call = time.perf_counter()
     t0 = started if started is not None else t_call
-    cache = kvcache.to_model_cache(past, lm.model.config) if past else None
-    step = _Stepper(lm, cache, start_position)
-    logits = step(input_ids)
+    step = _Stepper(lm, prompt)
+    logits = step.first()
     t_prefill = time.perf_counter()
     out, stops, streamer = [], stop_ids(lm), _Streamer(lm.tokenizer, on_text)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
@@ -93,27 +126,70 @@ def generate(
     t_end = time.perf_counter()
     text = lm.tokenizer.decode(out, skip_special_tokens=True).strip()
     timings = {"prefill": t_prefill - t_call, "first_token": (t_first or t_end) - t0, "total": t_end - t0}
-    return Generation(out, text, len(input_ids), timings)
+    return Generation(out, text, prompt.question_tokens, timings)
+
+
+@torch.inference_mode()
+def prompt_logits(lm, prompt: Prompt) -> torch.Tensor:
+    """Float32 logits at every question token of `prompt` (its first forward), `(tokens, vocab)`."""
+    cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
+    kwargs = {}
+    if prompt.visible is not None:
+        kwargs["attention_mask"] = additive_mask(prompt.visible, lm.dtype).to(lm.device)
+    out = lm.model(input_ids=torch.tensor([prompt.ids], device=lm.device), cache=cache,
+                   position_ids=torch.tensor([prompt.positions], device=lm.device), **kwargs)
+    return out.logits[0, prompt.recomputed :].float()
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility `(..., queries, keys)` -> the additive 4D mask transformers takes as is."""
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
 
 
 class _Stepper:
-    """Feeds tokens at explicit positions, growing the cache."""
+    """Feeds tokens at explicit positions, growing the cache.
 
-    def __init__(self, lm, cache, start: int):
-        self.lm, self.cache, self.position = lm, cache, start
+    A prompt with a visibility matrix gets it as a 4D mask in the first
+    forward; afterwards a 2D mask keeps its hidden slots out of sight.
+    """
+
+    def __init__(self, lm, prompt: Prompt):
+        self.lm, self.prompt = lm, prompt
+        self.cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
+        self.position = prompt.end_position
+        self.mask: torch.Tensor | None = None
+
+    def first(self) -> torch.Tensor:
+        p, device = self.prompt, self.lm.device
+        kwargs: dict[str, torch.Tensor] = {}
+        if p.visible is not None:
+            kwargs["attention_mask"] = additive_mask(p.visible, self.lm.dtype).to(device)
+            seen = torch.ones(p.past_tokens + len(p.ids), dtype=torch.long)
+            seen[p.hidden] = 0
+            self.mask = seen[None]
+        return self._forward(p.ids, torch.tensor([p.positions], device=device), **kwargs)
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
-        device = self.lm.device
-        positions = torch.arange(self.position, self.position + len(ids), device=device)[None]
+        positions = torch.arange(self.position, self.position + len(ids), device=self.lm.device)[None]
+        self.position += len(ids)
+        kwargs: dict[str, torch.Tensor] = {}
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
+            kwargs["attention_mask"] = self.mask.to(self.lm.device)
+        return self._forward(ids, positions, **kwargs)
+
+    def _forward(self, ids: list[int], positions: torch.Tensor, **kwargs) -> torch.Tensor:
         out = self.lm.model(
-            input_ids=torch.tensor([ids], device=device),
+            input_ids=torch.tensor([ids], device=self.lm.device),
             cache=self.cache,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **kwargs,
         )
         self.cache = out.cache
-        self.position += len(ids)
         return out.logits[0, -1].float()
 
 
@@ -145,31 +221,36 @@ class _Streamer:
 
 
 @torch.inference_mode()
-def generate_batch(
-    lm, pasts: list[PlainKV | None], inputs: list[list[int]], starts: list[int], config: GenerationConfig | None = None
-) -> list[Generation]:
+def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = None) -> list[Generation]:
     """Greedy/sampled decoding of several prompts at once, each with its own past.
 
     Rows are left-padded twice: the pasts to the longest past, the inputs to
-    the longest input; pads are masked out, so each row computes what it
-    would alone (up to float summation order).
+    the longest input; pads (and each prompt's hidden slots) are masked out, so
+    each row computes what it would alone (up to float summation order).
     """
     config = config or GenerationConfig()
     t0 = time.perf_counter()
-    past, mask = _pad_pasts(lm, pasts)
-    ids, positions, qmask = _pad_inputs(inputs, starts, lm.tokenizer.pad_token_id or 0)
-    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, mask)
-    logits = step(ids, positions, qmask)
+    past, past_mask = _pad_pasts([p.past for p in prompts])
+    ids, positions, qmask = _pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
+    for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
+        past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
+    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
+    if any(p.visible is not None for p in prompts):
+        logits = step.first(ids, positions, qmask, _batch_visibility(prompts, past_mask, qmask))
+    else:
+        logits = step(ids, positions, qmask)
     t_prefill = time.perf_counter()
     rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config)
     t_end = time.perf_counter()
     timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
-    return [Generation(out, lm.tokenizer.decode(out, skip_special_tokens=True).strip(), len(q), dict(timings))
-            for out, q in zip(rows, inputs)]
+    decode = lm.tokenizer.decode
+    return [Generation(out, decode(out, skip_special_tokens=True).strip(), p.question_tokens, dict(timings))
+            for out, p in zip(rows, prompts)]
 
 
 def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
-    stops, rows = stop_ids(lm), [[] for _ in range(logits.shape[0])]
+    stops = stop_ids(lm)
+    rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     for n in range(config.max_new_tokens):
@@ -186,7 +267,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[l
     return rows
 
 
-def _pad_pasts(lm, pasts):
+def _pad_pasts(pasts: list[PlainKV | None]):
     lengths = [kvcache.num_tokens(p) if p else 0 for p in pasts]
     width = max(lengths)
     if width == 0:
@@ -206,12 +287,31 @@ def _pad_pasts(lm, pasts):
     return layers, mask
 
 
-def _pad_inputs(inputs, starts, pad: int):
-    width = max(len(q) for q in inputs)
-    ids = torch.tensor([[pad] * (width - len(q)) + list(q) for q in inputs])
-    positions = torch.tensor([[s] * (width - len(q)) + list(range(s, s + len(q))) for q, s in zip(inputs, starts)])
-    mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in inputs])
+def _pad_inputs(prompts: list[Prompt], pad: int):
+    width = max(len(p.ids) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p.ids)) + list(p.ids) for p in prompts])
+    positions = torch.tensor([[p.positions[0]] * (width - len(p.ids)) + list(p.positions) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
     return ids, positions, mask
+
+
+def _batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, inputs, past + inputs): each row's own visibility moved to its padded place.
+    Rows without one see what a plain causal prompt sees; pad queries see only themselves."""
+    batch, width = qmask.shape
+    past_width = past_mask.shape[1]
+    out = torch.zeros(batch, 1, width, past_width + width, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        n, q0, p0 = len(p.ids), width - len(p.ids), past_width - p.past_tokens
+        if p.visible is not None:
+            out[row, 0, q0:, p0:past_width] = p.visible[:, : p.past_tokens]
+            out[row, 0, q0:, past_width + q0 :] = p.visible[:, p.past_tokens :]
+        else:
+            out[row, 0, q0:, :past_width] = past_mask[row].bool()
+            out[row, 0, q0:, past_width + q0 :] = torch.ones(n, n, dtype=torch.bool).tril()
+        for q in range(q0):
+            out[row, 0, q, past_width + q] = True
+    return out
 
 
 class _BatchStepper:
@@ -220,12 +320,20 @@ class _BatchStepper:
     def __init__(self, lm, cache, mask):
         self.lm, self.cache, self.mask = lm, cache, mask
 
-    def __call__(self, ids, positions, new_mask) -> torch.Tensor:
-        device = self.lm.device
+    def first(self, ids, positions, new_mask, visible) -> torch.Tensor:
+        """The first forward with a 4D mask; later steps use the 2D mask of what stays visible."""
         self.mask = torch.cat([self.mask, new_mask], dim=1)
+        return self._forward(ids, positions, additive_mask(visible, self.lm.dtype))
+
+    def __call__(self, ids, positions, new_mask) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        return self._forward(ids, positions, self.mask)
+
+    def _forward(self, ids, positions, mask) -> torch.Tensor:
+        device = self.lm.device
         out = self.lm.model(
             input_ids=ids.to(device),
-            attention_mask=self.mask.to(device),
+            attention_mask=mask.to(device),
             cache=self.cache,
             position_ids=positions.to(device),
             use_cache=True,

@@ -1,18 +1,24 @@
 """Where a store's retrieval index lives, and replacing it atomically.
 
     <store>/index/CURRENT      {"version": "v-..."}: the index readers use (replaced atomically)
-    <store>/index/v-<...>/     one complete index, as the retrieval engine saves it
+    <store>/index/v-<...>/     one complete index, as `RetrievalIndex.save` writes it
     <store>/index/lock         held while an index is built (one builder at a time)
 
-Publishing a new index: under the lock, a fresh version directory is seeded
-with the current version's files (hard links locally: nothing is copied, and
-the engine replaces files by rename, never writing into one), the engine saves
-the new index into it, then CURRENT is replaced (temp file + fsync + rename
-locally, one whole-object put on object stores), and only then are other
-versions and temp files removed. A kill or a full disk at any point leaves
-CURRENT naming a complete index; what a failed build left is removed by the
-next one. An index written before versions (`index/index.json`, no CURRENT)
-is read in place and replaced by the first publish.
+Building (`building`): the lock is held from reading the current index to
+publishing the new one, and the engines' work directory is made inside
+`index/` (`work_near`), so that saving a version links its files instead of
+copying them and what a killed builder left is found by the next one.
+
+Publishing (`publish`): the index is saved into a fresh version directory
+(locally its unchanged engine files are hard links to the current version's,
+through the work copy `indexes/files.py` makes; on object stores they are
+copied server-side from the current version instead of uploaded again), then
+CURRENT is replaced (temp file + fsync + rename locally, one whole-object put
+on object stores), and only then are other versions, work directories and
+temp files removed. A kill or a full disk at any point leaves CURRENT naming a
+complete index; what a failed build left is removed by the next one. An index
+written before versions (`index/index.json`, no CURRENT) is read in place and
+replaced by the first publish.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from cachegraft_cli.errors import RetrievalIndexError, StoreLockedError
-from cachegraft_cli.store.layout import is_temp
 
 CURRENT = "CURRENT"
 LOCK = "lock"
@@ -33,6 +39,11 @@ _VERSION = re.compile(r"v-[0-9A-Za-z-]+")
 
 def root(store_url) -> str:
     return f"{str(store_url).rstrip('/')}/index"
+
+
+def unversioned(url) -> str:
+    """`url` without a trailing version directory: the index root a version belongs to."""
+    return re.sub(r"/v-[0-9A-Za-z-]+$", "", str(url).rstrip("/"))
 
 
 def current(store_url) -> str:
@@ -50,33 +61,50 @@ def _read_current(fs, base: str) -> str | None:
     try:
         version = json.loads(data)["version"]
     except (ValueError, KeyError, TypeError):
-        raise RetrievalIndexError(f"{base}/{CURRENT} is unreadable", "Rebuild the index with `cachegraft index --rebuild`.") from None
+        raise RetrievalIndexError(f"{base}/{CURRENT} is unreadable",
+                                  "Rebuild the index with `cachegraft index --rebuild`.") from None
     if not isinstance(version, str) or not _VERSION.fullmatch(version):  # a name, never a path
-        raise RetrievalIndexError(f"{base}/{CURRENT} names no index version", "Rebuild the index with `cachegraft index --rebuild`.")
+        raise RetrievalIndexError(f"{base}/{CURRENT} names no index version",
+                                  "Rebuild the index with `cachegraft index --rebuild`.")
     return version
 
 
-def publish(store_url, save: Callable[[str], None]) -> str:
-    """Save a new index with `save(directory)` and make it the current one; returns its directory."""
+@contextmanager
+def building(store_url) -> Iterator[None]:
+    """Hold the index lock for a whole build; OS write failures inside become `StorageError`s."""
     from cachegraft_cli.storage import writing
 
     with writing(root(store_url), "write the retrieval index"), _IndexLock(store_url):
-        fs, base = _fs(root(store_url))
-        version = f"v-{_stamp()}-{uuid.uuid4().hex[:8]}"
-        target = f"{base}/{version}"
-        try:
-            _seed(fs, _current_dir(fs, base), target)
-            save(f"{root(store_url)}/{version}")
-            _write_current(fs, base, version)
-        except BaseException:
-            _remove(fs, target)  # the current index is untouched
-            raise
-        clean(fs, base, keep=version)
-        return f"{root(store_url)}/{version}"
+        yield
+
+
+def work_near(store_url) -> str:
+    """A path for `build_index(near=...)`: its work directory goes into the index directory."""
+    return f"{root(store_url)}/{CURRENT}"
+
+
+def publish(store_url, save: Callable[[str, str | None], None]) -> str:
+    """Within `building`: save a new index with `save(directory, base)` (`base`: the current
+    version's directory, or None) and make it the current one; returns its directory."""
+    fs, base = _fs(root(store_url))
+    version = f"v-{_stamp()}-{uuid.uuid4().hex[:8]}"
+    target = f"{base}/{version}"
+    current_version = _read_current(fs, base)
+    previous = f"{root(store_url)}/{current_version}" if current_version else None
+    try:
+        fs.makedirs(target, exist_ok=True)
+        save(f"{root(store_url)}/{version}", previous)
+        _write_current(fs, base, version)
+    except BaseException:
+        _remove(fs, target)  # the current index is untouched
+        raise
+    clean(fs, base, keep=version)
+    return f"{root(store_url)}/{version}"
 
 
 def clean(fs, base: str, keep: str) -> list[str]:
-    """Remove everything in the index directory but CURRENT, the lock and version `keep`."""
+    """Remove everything in the index directory but CURRENT, the lock and version `keep`: older
+    versions, an index from before versions, work directories and temp files of killed builders."""
     removed = []
     for path in fs.ls(base, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -84,39 +112,6 @@ def clean(fs, base: str, keep: str) -> list[str]:
             _remove(fs, path)
             removed.append(name)
     return removed
-
-
-def _current_dir(fs, base: str) -> str | None:
-    version = _read_current(fs, base)
-    if version:
-        return f"{base}/{version}"
-    return base if fs.exists(f"{base}/index.json") else None
-
-
-def _seed(fs, source: str | None, target: str) -> None:
-    """The current version's files in `target`: unchanged blocks need not be written again."""
-    fs.makedirs(target, exist_ok=True)
-    if source is None or not _is_local(fs) or not os.path.isdir(source):
-        return  # elsewhere (or when the current version is lost) the engine writes every file itself
-    for name in os.listdir(source):
-        if name in (CURRENT, LOCK) or _VERSION.fullmatch(name) or is_temp(name):
-            continue
-        _link_tree(os.path.join(source, name), os.path.join(target, name))
-
-
-def _link_tree(src: str, dst: str) -> None:
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-        for name in os.listdir(src):
-            if not is_temp(name):
-                _link_tree(os.path.join(src, name), os.path.join(dst, name))
-        return
-    try:
-        os.link(src, dst)
-    except OSError:
-        import shutil
-
-        shutil.copy2(src, dst)
 
 
 def _write_current(fs, base: str, version: str) -> None:

@@ -1,9 +1,11 @@
 """The retrieval index of a store: where it lives, building it, opening it.
 
-The index is kept in `<store>/index/` (replaced atomically: `indexdir`) and
-records the segments it covers. An index of an older state of the store (the
-store has grown since) is used for what it covers, and `coverage_note` says
-how much that is; an index of another passage set is refused.
+The index is kept in `<store>/index/` (any URL the store has; see
+`indexes/files.py` for remote ones), replaced atomically as a new version
+(`indexdir`), and records the segments it covers. An index of an older state
+of the store (the store has grown since) is used for what it covers, and
+`coverage_note` says how much that is; an index of another passage set is
+refused.
 """
 
 from __future__ import annotations
@@ -36,38 +38,47 @@ def store_fingerprint(store) -> str:
     return passage_fingerprint(store.content_hashes().items())
 
 
-def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False) -> dict:
-    """Build the index, or bring an existing one of the same kind up to date
-    (only passages added since are tokenised / embedded)."""
+def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
+                      engines: list[str] | None = None) -> dict:
+    """Build the index, or bring an existing one of the same kind (and engines,
+    when named) up to date (only passages added since are tokenised / embedded).
+    One builder at a time: the index lock is held from reading the current index
+    to publishing the new version (`indexdir`)."""
     from cachegraft_cli.errors import UsageError
-    from cachegraft_cli.retrieval import KINDS, build_index
+    from cachegraft_cli.indexdir import building, publish, work_near
+    from cachegraft_cli.retrieval import KINDS, build_index, resolve_engines
     from cachegraft_cli.store import CacheStore
 
     if kind not in KINDS:  # before the store's text is read
         raise UsageError(f"unknown index kind {kind!r}.", f"Use one of: {', '.join(KINDS)}.")
     t0 = time.perf_counter()
+    chosen = resolve_engines(kind, engines)  # bad names fail before the store is read
     store = CacheStore.open(store_url)
     if not len(store):
-        raise NoPassagesError(f"Store {store_url} has no passages to index.", f"Run `cachegraft encode CORPUS --store {store_url}` first.")
-    index = None if rebuild else _existing(store_url, kind, embedder)
-    names = segment_names(store)
-    covered = (index.source or {}).get("segments") if index is not None else None
-    if covered is not None and covered == names[:len(covered)]:
-        added, mode = index.add(store_docs(store, names[len(covered):])), "updated"  # segments are immutable
-    elif index is not None and set(index.ids) <= set(store.ids()):
-        added, mode = index.add(store_docs(store)), "updated"
-    else:
-        index = build_index(store_docs(store), kind, embedder)
-        added, mode = len(index), "built"
-    index.source = {"segments": names}
-    from cachegraft_cli.indexdir import publish
-
-    publish(store_url, index.save)
-    return {"store": store_url, "kind": index.kind, "embedder": index.embedder, "passages": len(index),
+        raise NoPassagesError(f"Store {store_url} has no passages to index.",
+                              f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+    with building(store_url):
+        existing = None if rebuild else _existing(store_url, kind, embedder, chosen if engines else None)
+        names = segment_names(store)
+        covered = (existing.source or {}).get("segments") if existing is not None else None
+        if existing is not None and covered is not None and covered == names[:len(covered)]:
+            index, mode = existing, "updated"
+            added = index.add(store_docs(store, names[len(covered):]))  # segments are immutable
+        elif existing is not None and set(existing.ids) <= set(store.ids()):
+            index, mode = existing, "updated"
+            added = index.add(store_docs(store))
+        else:
+            index = build_index(store_docs(store), kind, embedder, engines=list(chosen.values()),
+                                near=work_near(store_url))
+            added, mode = len(index), "built"
+        index.source = {"segments": names}
+        publish(store_url, index.save)
+    return {"store": store_url, "kind": index.kind, "engines": index.engines, "embedder": index.embedder,
+            "passages": len(index),
             "added": added, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _existing(store_url: str, kind: str, embedder: str | None):
+def _existing(store_url: str, kind: str, embedder: str | None, engines: dict[str, str] | None):
     from cachegraft_cli.retrieval import load_index
 
     try:
@@ -77,7 +88,8 @@ def _existing(store_url: str, kind: str, embedder: str | None):
     except RetrievalIndexError:
         return None  # unreadable or old: rebuild from scratch
     same_model = embedder is None or index.embedder in (None, embedder)
-    return index if index.kind == kind and same_model else None
+    same_engines = engines is None or index.engines == engines  # unnamed: keep the index's own
+    return index if index.kind == kind and same_model and same_engines else None
 
 
 def open_index(store, store_url: str, kind: str | None = None, embedder: str | None = None):
@@ -111,5 +123,37 @@ def coverage_note(store, index, store_url: str) -> str | None:
     missing = len(store) - len(index)
     if missing <= 0:
         return None
-    return (f"the index of {store_url} covers {len(index):,} of its {len(store):,} passages; answers come from those only "
-            f"(run `cachegraft index --store {store_url}` to add the other {missing:,}).")
+    return (f"the index of {store_url} covers {len(index):,} of its {len(store):,} passages; answers come from "
+            f"those only (run `cachegraft index --store {store_url}` to add the other {missing:,}).")
+
+
+def index_info(store, store_url: str) -> dict | None:
+    """The store's index as `store info` shows it: kind, passages, bytes on disk, and whether it is
+    stale (built before the last encode: `cachegraft index` adds the rest); None when there is none."""
+    from fsspec.core import url_to_fs
+
+    from cachegraft_cli.retrieval import load_index
+
+    path = index_path(store_url)  # one version, read and measured
+    try:
+        index = load_index(path, store=store_url)
+    except IndexMissingError:
+        return None
+    except RetrievalIndexError as exc:
+        return {"kind": None, "problem": exc.message, "stale": True}
+    fs, root = url_to_fs(path)
+    covered = (index.source or {}).get("segments")
+    if covered is not None and covered == segment_names(store):
+        stale = False
+    else:
+        stale = index.fingerprint != store_fingerprint(store)
+    return {"kind": index.kind, "embedder": index.embedder, "passages": len(index), "store_passages": len(store),
+            "bytes": int(fs.du(root)), "stale": stale}
+
+
+def store_report(store_url: str) -> dict:
+    """`CacheStore.info()` plus the retrieval index (`index_info`)."""
+    from cachegraft_cli.store import CacheStore
+
+    store = CacheStore.open(store_url)
+    return {**store.info(), "index": index_info(store, store_url)}

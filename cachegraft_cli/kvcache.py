@@ -159,3 +159,37 @@ def write_tokens(cache, kv: PlainKV, start: int) -> None:
     for layer, (k, v) in zip(cache.layers, kv):
         layer.keys[..., start : start + n, :] = k
         layer.values[..., start : start + n, :] = v
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end a forward pass after the layer it watches."""
+
+
+def decoder_layers(model):
+    """The model's decoder layers (`model.model.layers` on Hugging Face causal LMs)."""
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} does not expose its decoder layers")
+    return layers
+
+
+def layer_kv(model, past: PlainKV, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, layer: int):
+    """Batched (K, V) of layer `layer` for `ids` read after `past`, running only layers 0..`layer`.
+
+    The forward stops right after that layer (its attention has written the new
+    tokens' KV into a scratch cache); `past` itself is not changed."""
+    cache = to_model_cache(past, model.config)
+    start = num_tokens(past)
+
+    def stop(*_):
+        raise _StopForward
+
+    handle = decoder_layers(model)[layer].register_forward_hook(stop)
+    try:
+        model(input_ids=ids, cache=cache, position_ids=positions, attention_mask=mask, use_cache=True)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    entry = cache.layers[layer]
+    return entry.keys[..., start:, :], entry.values[..., start:, :]

@@ -75,16 +75,12 @@ def repair_store(url: str, reencode: bool = False) -> dict:
 
 def _reencode(url: str, rows: list, lock):
     from cachegraft_cli.encode import EncodeOptions, reencode_rows
-    from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.session import ModelSession, stored_choice
     from cachegraft_cli.store import CacheStore
 
     store = CacheStore.open(url)
-    ident = store.identity
-    choice = ModelChoice(receiver=ident["receiver"]["name"], sharer=(ident.get("sharer") or {}).get("name"),
-                         fuser=(ident.get("fuser") or {}).get("name") or "closed", dtype=ident["dtype"],
-                         instruction=ident["template"]["instruction"])
-    options = EncodeOptions(codec=ident["codec"], also_own_cache="own" in store.kinds)
-    return reencode_rows(url, rows, ModelSession(choice.check()), options, lock)
+    options = EncodeOptions(codec=store.identity["codec"], also_own_cache="own" in store.kinds)
+    return reencode_rows(url, rows, ModelSession(stored_choice(store.identity).check()), options, lock)
 
 
 def _rebuild_index(url: str) -> str | None:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from cachegraft_cli.errors import HubUnreachableError, ModelLoadError, UsageError
 
@@ -15,8 +16,8 @@ from cachegraft_cli.errors import HubUnreachableError, ModelLoadError, UsageErro
 @dataclass
 class LoadedModel:
     spec: str
-    model: object
-    tokenizer: object
+    model: Any
+    tokenizer: Any
     identity: dict = field(default_factory=dict)
 
     @property
@@ -96,7 +97,9 @@ def pick_dtype(device: str, dtype: str | None = None):
 
     if dtype:
         try:
-            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype) or getattr(torch, dtype)
+            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype) or getattr(
+                torch, dtype
+            )
         except AttributeError:
             raise ModelLoadError(f"Unknown dtype {dtype!r}.", "Use bfloat16, float16 or float32.") from None
     if device.startswith("cuda"):
@@ -136,6 +139,18 @@ def load_causal_lm(
     revision: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer in eval mode on the chosen device and dtype."""
+    from cachegraft_cli.progress import loading
+
+    with loading(f"loading {_short(spec)}"):
+        return _load_causal_lm(spec, device, dtype, trust_remote_code, revision)
+
+
+def _short(spec: str) -> str:
+    """A model spec as a status line shows it: a directory by its last part."""
+    return Path(spec).name if "/" in spec and Path(spec).expanduser().exists() else spec
+
+
+def _load_causal_lm(spec: str, device, dtype, trust_remote_code: bool, revision) -> LoadedModel:
     source, gguf, kind = resolve_source(spec)
     _quiet_transformers()
     device = pick_device(device)
@@ -150,6 +165,15 @@ def load_causal_lm(
 
     route_linears(model)  # large float32 CPU layers through oneDNN (see onednn.py)
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
+
+
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer of a model spec alone (no weights): enough to plan an encode."""
+    source, gguf, kind = resolve_source(spec)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    return _load(lambda: _auto_tokenizer(source, kwargs), spec, kind)
 
 
 def _quiet_transformers() -> None:
@@ -230,3 +254,11 @@ def _weights_header(file: Path) -> bytes:
             size = int.from_bytes(f.read(8), "little")
             return f.read(min(size, 1 << 24))
         return f.read(1 << 20) + str(file.stat().st_size).encode()
+
+
+def context_window(lm: LoadedModel) -> int | None:
+    """How many positions the model was built for (None when its config does not say)."""
+    config = lm.model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "max_position_embeddings", None)
+    return int(window) if window else None

@@ -13,7 +13,7 @@ import torch
 
 from cachegraft_cli import kvcache
 from cachegraft_cli.align import TokenAligner
-from cachegraft_cli.generation import Generation, GenerationConfig, generate
+from cachegraft_cli.generation import Generation, GenerationConfig, Prompt, generate
 from cachegraft_cli.models import LoadedModel
 
 Section = tuple[list[int], bool]  # (receiver token ids, fused?)
@@ -22,13 +22,17 @@ Section = tuple[list[int], bool]  # (receiver token ids, fused?)
 @torch.inference_mode()
 def online_prefill(receiver: LoadedModel, sharer: LoadedModel | None, fuser, sections: list[Section]):
     """Run all but the last section; return (receiver plain KV, position after them)."""
-    aligner = TokenAligner(receiver.tokenizer, sharer.tokenizer, _strategy(fuser)) if fuser is not None else None
+    if fuser is not None and sharer is None:
+        raise ValueError("online C2C with a fuser needs the sharer")
+    aligner = None
+    if fuser is not None and sharer is not None:
+        aligner = TokenAligner(receiver.tokenizer, sharer.tokenizer, _strategy(fuser))
     last_fused = max((i for i, (_, fused) in enumerate(sections[:-1]) if fused), default=-1)
     r_cache = s_cache = None
     for i, (ids, fused) in enumerate(sections[:-1]):
         start = r_cache.get_seq_length() if r_cache is not None else 0
         r_cache = _forward(receiver, ids, r_cache)
-        if aligner is None or i > last_fused:
+        if aligner is None or sharer is None or i > last_fused:
             continue
         s_cache = _forward(sharer, aligner.align(ids), s_cache)
         if fused:
@@ -38,11 +42,15 @@ def online_prefill(receiver: LoadedModel, sharer: LoadedModel | None, fuser, sec
 
 
 def online_generate(
-    receiver: LoadedModel, sharer: LoadedModel | None, fuser, sections: list[Section], config: GenerationConfig | None = None
+    receiver: LoadedModel,
+    sharer: LoadedModel | None,
+    fuser,
+    sections: list[Section],
+    config: GenerationConfig | None = None,
 ) -> Generation:
     """Generate after the sections; the last section (the question) is receiver-only."""
     past, position = online_prefill(receiver, sharer, fuser, sections)
-    return generate(receiver, past, sections[-1][0], position, config)
+    return generate(receiver, Prompt.plain(past, sections[-1][0], position), config)
 
 
 @torch.inference_mode()

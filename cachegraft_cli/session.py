@@ -53,7 +53,7 @@ class ModelChoice:
         """Preset defaults (the paper's pair when nothing is given) overridden by explicit specs."""
         base = get_preset(preset or PAPER_PRESET) if (preset or not receiver) else None
         return cls(
-            receiver=receiver or base.receiver,
+            receiver=receiver or (base.receiver if base else ""),
             sharer=sharer or (base.sharer if base else None),
             fuser=fuser if fuser is not None else (base.fuser if base else "closed"),
             **{k: v for k, v in kw.items() if v is not None},
@@ -98,10 +98,19 @@ class ModelSession:
         return self._load(self.choice.sharer)
 
     @cached_property
+    def tokenizer(self):
+        """The receiver's tokenizer; loaded on its own (no weights) when the receiver is not loaded yet."""
+        if "receiver" in self.__dict__:
+            return self.receiver.tokenizer
+        from cachegraft_cli.models import load_tokenizer
+
+        return load_tokenizer(self.choice.receiver, trust_remote_code=self.choice.trust_remote_code)
+
+    @cached_property
     def template(self):
         from cachegraft_cli.template import PromptTemplate
 
-        return PromptTemplate.for_tokenizer(self.receiver.tokenizer, self.choice.instruction)
+        return PromptTemplate.for_tokenizer(self.tokenizer, self.choice.instruction)
 
     def _load(self, spec: str):
         from cachegraft_cli.models import load_causal_lm
@@ -148,35 +157,99 @@ class ModelSession:
         """A store for these models: created, or reopened (identity checked). A store
         that already keeps own caches goes on keeping them, asked or not."""
         from cachegraft_cli import kvcache
-        from cachegraft_cli.errors import StoreNotFoundError
         from cachegraft_cli.store import CacheStore
 
+        store = open_existing(url)
         kinds = ("fused", "own") if also_own_cache else ("fused",)
-        try:
-            existing = CacheStore.open(url).kinds
-        except StoreNotFoundError:
-            existing = ()
-        if existing and not set(kinds) <= set(existing):
-            raise StoreMismatchError(
-                f"Store {url} was made without own caches, so --also-own-cache cannot add them now.",
-                "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
-            )
+        if store is not None:
+            check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.engine().prefix_kv())
         from cachegraft_cli.storage import writing
 
         with writing(str(url), "create the store"):
-            return CacheStore.create(url, self.identity(codec), prefix, existing or kinds)
+            return CacheStore.create(url, self.identity(codec), prefix, store.kinds if store is not None else kinds)
+
+    def names_match(self, store) -> bool:
+        """Whether this session names the receiver, fuser and (where it ran one) sharer the store
+        records, so that its weights need no loading to be trusted as the store's."""
+        have, c = stored_choice(store.identity), self.choice
+        return (c.receiver, c.fuser or "closed") == (have.receiver, have.fuser) and (
+            have.sharer is None or c.sharer == have.sharer)
+
+    def check_template(self, store) -> None:
+        """The prompt template (tokenizer + instruction) must be the store's: checked with the
+        tokenizer alone, before any model loads."""
+        from cachegraft_cli.store.identity import check
+
+        check(store.loc.url, store.identity, {"template": self.template.identity(),
+                                              "prefix_token_ids": self.template.prefix_ids()})
+
+
+def open_existing(url: str, storage_options: dict | None = None):
+    """The store at `url`, or None when there is none yet."""
+    from cachegraft_cli.errors import StoreNotFoundError
+    from cachegraft_cli.store import CacheStore
+
+    try:
+        return CacheStore.open(url, storage_options=storage_options)
+    except StoreNotFoundError:
+        return None
+
+
+def check_kinds(store, also_own_cache: bool) -> None:
+    if also_own_cache and "own" not in store.kinds:
+        raise StoreMismatchError(
+            f"Store {store.loc.url} was made without own caches, so --also-own-cache cannot add them now.",
+            "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
+        )
+
+
+def stored_choice(identity: dict) -> ModelChoice:
+    """The models, fuser, instruction and dtype a store was encoded with."""
+    return ModelChoice(
+        receiver=identity["receiver"]["name"],
+        sharer=(identity.get("sharer") or {}).get("name"),
+        fuser=(identity.get("fuser") or {}).get("name") or "closed",
+        dtype=identity.get("dtype"),
+        instruction=identity["template"]["instruction"],
+    )
+
+
+def choice_for_encode(store, preset: str | None = None, receiver=None, sharer=None, fuser=None, **kw) -> ModelChoice:
+    """What `encode` uses. A new store: the preset (or the paper's pair) with overrides. An
+    existing store: the models recorded in it, so an append needs no model options; explicit
+    --receiver/--sharer/--fuser still override (their weights are checked once loaded), and a
+    --preset naming other models is refused at once."""
+    if store is None:
+        return ModelChoice.resolve(preset, receiver, sharer, fuser, **kw)
+    base = stored_choice(store.identity)
+    if preset:
+        check_preset(store, preset)
+    given = {k: v for k, v in kw.items() if v is not None}
+    return replace(base, receiver=receiver or base.receiver, sharer=sharer or base.sharer,
+                   fuser=fuser if fuser is not None else base.fuser, **given)
+
+
+def check_preset(store, preset: str) -> None:
+    """Refuse a preset whose receiver, fuser or (where the store ran one) sharer is not the store's."""
+    wanted = get_preset(preset)
+    have = stored_choice(store.identity)
+    pairs = [("receiver", have.receiver, wanted.receiver), ("fuser", have.fuser, wanted.fuser)]
+    if have.sharer is not None:
+        pairs.append(("sharer", have.sharer, wanted.sharer))
+    differ = [(role, a, b) for role, a, b in pairs if a != b]
+    if differ:
+        role, a, b = differ[0]
+        raise StoreMismatchError(
+            f"Store {store.loc.url} was encoded with {role} {a}, but --preset {preset} names {role} {b}.",
+            "Leave out --preset to append with the store's own models, or encode into a new --store.",
+        )
 
 
 def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:
     """A session that loads the receiver (and, on demand, the sharer) a store was made with."""
     ident = store.identity
-    choice = ModelChoice(
-        receiver=ident["receiver"]["name"],
-        sharer=(ident.get("sharer") or {}).get("name"),
-        fuser=None,
-        instruction=ident["template"]["instruction"],
-    )
+    choice = replace(stored_choice(ident), fuser=None, dtype=None)
     if overrides is not None:  # --sharer names the sharer-text model when the store ran none (closed fuser)
         choice = replace(choice, sharer=overrides.sharer or choice.sharer, device=overrides.device,
                          dtype=overrides.dtype or ident["dtype"], trust_remote_code=overrides.trust_remote_code)

@@ -11,6 +11,7 @@ exactly the same ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the documents. Reply with a short answer only: a few words, no explanation."
@@ -22,7 +23,7 @@ TEMPLATE_VERSION = 1
 
 @dataclass
 class PromptTemplate:
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     prefix_text: str
     suffix_text: str  # contains the question slot
     chat: bool
@@ -41,8 +42,7 @@ class PromptTemplate:
         return self._ids(self.prefix_text)
 
     def passage_block(self, title: str, text: str) -> str:
-        head = f"Title: {title}\n" if title else ""
-        return f"{head}{text.strip()}\n\n"
+        return passage_block(title, text)
 
     def passage_ids(self, title: str, text: str) -> list[int]:
         return self._ids(self.passage_block(title, text))
@@ -63,6 +63,12 @@ class PromptTemplate:
             "suffix_text": self.suffix_text.replace(_QUESTION, "{question}"),
             "passage_block": self.passage_block("{title}", "{text}"),
         }
+
+
+def passage_block(title: str, text: str) -> str:
+    """The text a passage's cache is computed from (the same for every tokenizer)."""
+    head = f"Title: {title}\n" if title else ""
+    return f"{head}{text.strip()}\n\n"
 
 
 def _split_chat(tokenizer, instruction: str) -> tuple[str, str]:

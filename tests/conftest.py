@@ -53,3 +53,28 @@ def pytest_terminal_summary(terminalreporter):
     extra = {k: v for k, v in TALLY.items() if k not in {key for _, key in _TALLY_ROWS}}
     for key, value in sorted(extra.items()):
         terminalreporter.write_line(f"  {key:53} {value}")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on localhost, for the whole session."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from ray_support import LocalS3
+
+    server = LocalS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server):
+    """One local Ray runtime (2 CPUs) shared by every Ray test; its workers get tests/ on their
+    path and the S3 server's endpoint and credentials in their environment. Yields its address."""
+    import logging
+
+    ray = pytest.importorskip("ray")
+    env = {"PYTHONPATH": str(Path(__file__).parent), **s3_server.env}
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -30,9 +30,9 @@ from pathlib import Path
 PRELOAD = ["cachegraft_cli.cli.app", "cachegraft_cli.encode", "cachegraft_cli.store", "cachegraft_cli.retrieval",
            "cachegraft_cli.evaluation.run", "cachegraft_cli.evaluation.answerer", "cachegraft_cli.ask",
            "cachegraft_cli.kvcache", "cachegraft_cli.fusion", "cachegraft_cli.models", "cachegraft_cli.generation",
-           "cachegraft_cli.bm25", "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
+           "cachegraft_cli.indexes.fulltext", "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-           "transformers.models.qwen2.modeling_qwen2", "transformers.generation", "zarr", "numcodecs", "bm25s",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.generation", "zarr", "numcodecs", "bm25s", "tantivy",
            "tqdm", "rich"]
 
 _CTX = None

@@ -150,7 +150,13 @@ def test_error_exit_codes(tiny_dirs, tmp_path, capsys, monkeypatch):
     # missing index
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store)
     assert code == 9 and "cachegraft index --store" in err and "Traceback" not in err
-    run(capsys, monkeypatch, "index", "--store", store)
+    # an engine the kind has no part for, or an unknown one: refused before the store is read
+    code, _, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "flat")
+    assert code == 9 and "engine 'flat' searches vectors" in err and "Traceback" not in err
+    code, _, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "lucene")
+    assert code == 9 and "Use one of: tantivy, usearch, flat" in err
+    code, out, err = run(capsys, monkeypatch, "index", "--store", store, "--engine", "tantivy", "--json")
+    assert code == 0 and json.loads(out)["engines"] == {"terms": "tantivy"}, err
     # no passage retrieved
     code, _, err = run(capsys, monkeypatch, "ask", "zzqx vvbnm", "--store", store)
     assert code == 10 and "No passage matched" in err
@@ -225,3 +231,39 @@ def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_model
     assert str(tiny_dirs["sharer_same"]) not in loaded  # neither encode nor ask ran the sharer
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "graft")
     assert code == 2 and "--system adapter" in err
+
+
+@pytest.mark.parametrize("order", ["best-last", "retrieval"])
+def test_full_recompute_of_own_caches_answers_as_text(tiny_dirs, tmp_path, capsys, monkeypatch, order):
+    """Through the CLI at k=3: recomputing every later passage token of the receiver's own
+    caches is the text computation, in either passage order (the order applies to text too)."""
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"], "--also-own-cache")
+    run(capsys, monkeypatch, "index", "--store", store)
+    got = {}
+    for system, recompute in (("cache", 10_000), ("text", 0), ("cache", 0)):
+        code, out, err = run(capsys, monkeypatch, "ask", "who built the lighthouse, signed the treaty, made sugar?",
+                             "--store", store, "-k", 3, "--system", system, "--order", order, "--recompute", recompute, "--json", "--max-new-tokens", 10)
+        assert code == 0, err
+        got[(system, recompute)] = json.loads(out)
+    full, text = got[("cache", 10_000)], got[("text", 0)]
+    assert full["answer"] == text["answer"] and full["tokens"]["generated"] == text["tokens"]["generated"]
+    assert len(full["passages"]) == 3 and full["tokens"]["recomputed"] > 0 and got[("cache", 0)]["tokens"]["recomputed"] == 0
+    assert full["order"] == order and full["recompute"] == {"tokens": 10_000, "blend": 0.0}
+
+
+def test_context_window_is_guarded(tiny_dirs, tmp_path, capsys, monkeypatch):
+    store = tmp_path / "store"
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
+    run(capsys, monkeypatch, "index", "--store", store)
+    for system in ("graft", "text"):
+        code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", system,
+                           "--max-new-tokens", 100_000)
+        assert code == 2 and "context window of 512" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, words", [(["--order", "random"], "passage order"), (["--recompute", "-1"], "--recompute"),
+                                         (["--blend", "2"], "--blend")])
+def test_bad_assembly_flags_fail_before_anything_loads(tmp_path, capsys, monkeypatch, args, words):
+    code, _, err = run(capsys, monkeypatch, "ask", "q", "--store", tmp_path / "missing", *args)
+    assert code == 2 and words in err

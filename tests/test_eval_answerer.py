@@ -3,6 +3,7 @@ graft == cache under a closed fuser, and what the answerer keeps in memory."""
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -86,7 +87,11 @@ def test_answerer_shares_the_receiver_and_drops_the_sharer_after_encoding(qa_fil
     adapted = answerer.answer(bench.name, bench.questions[:2], "adapter", 1)
     assert len(graft) == len(adapted) == 2 and all(r["passages"] for r in graft + adapted)
     assert "sharer" not in main_session.__dict__  # answering graft never needs it
-    # with sharer-text among the systems the sharer stays loaded
-    keep = StoreAnswerer(config, ["graft", "sharer-text"])
+    # stores already encoded: preparing again loads no model at all
+    again = StoreAnswerer(config, ["graft", "sharer-text"])
+    again.prepare(bench.name, bench.passage_dicts())
+    assert "receiver" not in again._session(fuser).__dict__ and "sharer" not in again._session(fuser).__dict__
+    # with sharer-text among the systems, a sharer loaded to encode stays loaded
+    keep = StoreAnswerer(replace(config, stores_dir=str(tmp_path / "fresh")), ["graft", "sharer-text"])
     keep.prepare(bench.name, bench.passage_dicts())
     assert "sharer" in keep._session(fuser).__dict__

@@ -213,7 +213,7 @@ def test_em_only_run_and_bad_settings(full_run, tmp_path):
                              FakeAnswerer(), progress=False)
     assert {c["judge"] for c in summary["comparisons"]} == {"em"}
     assert summary["counts"] == {"answers": 10 * 4, "verdicts": 0, "pairwise": 0}
-    with pytest.raises(UsageError, match="unknown systems"):
+    with pytest.raises(UsageError, match="Unknown system 'oracle'"):
         run_evaluation(make_config(full_run["qa"], tmp_path / "x", systems=["oracle"]), FakeAnswerer())
     with pytest.raises(UsageError, match="ks must be"):
         run_evaluation(make_config(full_run["qa"], tmp_path / "x", ks=[0]), FakeAnswerer())
@@ -257,3 +257,39 @@ def test_resume_may_add_and_drop_judges_without_reanswering(full_run, tmp_path):
     assert [j["name"] for j in saved["judges"]] == ["judge-b"]
     with pytest.raises(UsageError, match="judge_limit"):
         run_evaluation(make_config(qa, out, judges=["stub/judge-b"], judge_limit=5), FakeAnswerer())
+
+
+class VariantAnswerer(FakeAnswerer):
+    """`text@order=retrieval` is right unless i % 3 == 0 (better than `text` at k=3 only)."""
+
+    def _one(self, name, q, system, k):
+        if system == "text@order=retrieval":
+            out = super()._one(name, q, "text", k)
+            i = int(q.id[1:])
+            out["answer"] = q.answers[0] if (k == 3 and i % 3) else f"{q.answers[0]} perhaps"
+            return out
+        return super()._one(name, q, system.split("@")[0], k)
+
+
+def test_system_variants_and_text_at_its_best_order(full_run, tmp_path):
+    systems = ["graft", "text", "text@order=retrieval", "graft@recompute=0"]
+    summary = run_evaluation(make_config(full_run["qa"], tmp_path / "v", systems=systems, judges=[]),
+                             VariantAnswerer(), progress=False)
+    labels = {s["system"] for s in summary["systems"]}
+    assert labels == set(systems)
+    best = {(b["k"]): b["system"] for b in summary["best_text"]}
+    assert best == {1: "text", 3: "text@order=retrieval"}  # text's own best order, per k
+    rows = {c["k"]: c for c in summary["comparisons"] if c["b"] == "text (best order)"}
+    text_em = {s["k"]: s["em"] for s in summary["systems"] if s["system"] == best[s["k"]]}
+    graft_em = {s["k"]: s["em"] for s in summary["systems"] if s["system"] == "graft"}
+    for k in (1, 3):
+        assert rows[k]["mean_diff"] == pytest.approx(graft_em[k] - text_em[k])
+    assert "graft vs text (best order)" in summary["headlines"]
+    assert "graft vs text (best order)" in (tmp_path / "v" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("label, words", [("text@order=random", "passage order"), ("graft@recompute=x", "Bad value"),
+                                          ("text@colour=red", "Bad system option")])
+def test_bad_system_variants_are_refused(full_run, tmp_path, label, words):
+    with pytest.raises(UsageError, match=words):
+        run_evaluation(make_config(full_run["qa"], tmp_path / "b", systems=["graft", label]), FakeAnswerer())

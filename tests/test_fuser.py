@@ -1,4 +1,4 @@
-"""The C2C projector, layer map and checkpoint IO (DESIGN.md sections 3-4)."""
+"""The C2C projector, layer map and checkpoint IO (docs/method.md sections 1-2)."""
 
 import json
 import os
@@ -42,7 +42,7 @@ def test_published_parameter_names_and_count():
         assert f"{prefix}_proj_mlp2.blocks.0.w1.weight" in names and f"{prefix}_proj_mlp2.blocks.1.w1.weight" not in names
         assert {f"{prefix}_scalar_mlp2.blocks.0.w2.weight", f"{prefix}_scalar_head.bias", f"{prefix}_proj_out.weight"} <= names
     assert "gate_temperature" in names
-    # DESIGN.md: one Qwen3-0.6B <- Qwen2.5-0.5B projector has 17,066,002 parameters.
+    # docs/method.md section 2: one Qwen3-0.6B <- Qwen2.5-0.5B projector has 17,066,002 parameters.
     assert sum(x.numel() for x in p.parameters()) == 17_066_002
 
 

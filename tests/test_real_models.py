@@ -1,15 +1,17 @@
-"""Slow: the real offline receiver from ../shared/models/fetch.sh (skipped when absent)."""
+"""Slow: the real offline receiver (`cachegraft models pull offline`, or $CACHEGRAFT_TEST_RECEIVER);
+skipped when absent."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-RECEIVER = os.environ.get("CACHEGRAFT_TEST_RECEIVER", "")
+from real_models import real_model, reason
+
+RECEIVER = real_model("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not Path(RECEIVER or "/nonexistent").is_dir(), reason="CACHEGRAFT_TEST_RECEIVER not set"),
+    pytest.mark.skipif(not RECEIVER, reason=reason("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")),
 ]
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus.jsonl"
 

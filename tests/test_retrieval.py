@@ -1,5 +1,6 @@
 """Retrieval index: BM25 always; dense/hybrid with a tiny local random model and,
-when CACHEGRAFT_TEST_EMBEDDER names a directory, the real MiniLM."""
+with the real MiniLM when $CACHEGRAFT_TEST_EMBEDDER names its directory or it was pulled
+(`cachegraft models pull all-minilm-l6-v2`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cachegraft_cli.corpus import read_corpus
@@ -21,9 +21,12 @@ from cachegraft_cli.errors import (
     NoPassagesError,
     RetrievalIndexError,
 )
+from real_models import real_model, reason
+
 from cachegraft_cli.retrieval import (
     Doc,
     Hit,
+    _Embedder,
     build_index,
     doc_hash,
     load_embedder,
@@ -35,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
-EMBEDDER = os.environ.get("CACHEGRAFT_TEST_EMBEDDER", "")
+EMBEDDER = real_model("CACHEGRAFT_TEST_EMBEDDER", "all-minilm-l6-v2")
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +84,23 @@ def test_save_load_round_trip(bm25, questions, tmp_path):
     assert loaded.fingerprint == bm25.fingerprint and loaded.ids == bm25.ids
 
 
-def test_save_load_fsspec_url(bm25):
+def test_save_load_fsspec_url(bm25, docs, tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEGRAFT_HOME", str(tmp_path / "home"))
     bm25.save("memory://stores/s1/index")
     loaded = load_index("memory://stores/s1/index")
     assert loaded.search("Tamsin Bridge engineer", 2) == bm25.search("Tamsin Bridge engineer", 2)
+    assert loaded.add([Doc("new", "A zeppelin hangar on the moor.")]) == 1
+    loaded.save("memory://stores/s1/index")
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fetched = []
+    real_get = type(fs).get_file
+    monkeypatch.setattr(type(fs), "get_file", lambda self, a, b, **kw: fetched.append(a) or real_get(self, a, b, **kw))
+    again = load_index("memory://stores/s1/index")
+    assert again.search("zeppelin hangar", 1)[0].id == "new" and len(again) == len(docs) + 1
+    unchanged = [p for p in fetched if not p.endswith((".json", "passages.bin"))]
+    assert len(unchanged) < len(fetched) / 2 + 8  # the mirror fetches new segment files and manifests only
 
 
 def test_fingerprint_is_order_free_and_content_sensitive(docs):
@@ -138,11 +154,37 @@ def test_incremental_add(docs, tmp_path):
     assert index.search("Odile Varran peat", 3)[0].id != docs[0].id
 
 
+def test_changes_go_to_a_work_copy_until_saved(docs, tmp_path):
+    build_index(docs[:10], "bm25", stem=False).save(tmp_path / "index")
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()}
+    index = load_index(tmp_path / "index")
+    assert index.add(docs[10:]) == 14
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()}
+    assert after == before  # readers of the saved directory see the old index, whole
+    assert len(load_index(tmp_path / "index")) == 10
+    index.save(tmp_path / "index")
+    assert len(load_index(tmp_path / "index")) == 24
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cachegraft-index-work")]  # work copy gone
+
+
+def test_a_format_1_index_is_refused_with_a_rebuild_hint(tmp_path):
+    root = tmp_path / "store" / "index"
+    root.mkdir(parents=True)
+    (root / "index.json").write_text(json.dumps({"format": "cachegraft-retrieval-index", "version": 1, "kind": "bm25"}))
+    with pytest.raises(RetrievalIndexError, match="format 1 retrieval index") as info:
+        load_index(str(root))
+    assert info.value.hint == f"Run `cachegraft index --store {tmp_path / 'store'}` to rebuild it."
+
+
 def test_bad_build_inputs(docs):
     with pytest.raises(NoPassagesError):
         build_index([])
     with pytest.raises(RetrievalIndexError, match="unknown index kind"):
         build_index(docs, "sparse")
+    with pytest.raises(RetrievalIndexError, match="unknown retrieval engine 'lucene'"):
+        build_index(docs, "bm25", engines=["lucene"])
+    with pytest.raises(RetrievalIndexError, match="engine 'flat' searches vectors, which a bm25 index"):
+        build_index(docs, "bm25", engines=["flat"])
     with pytest.raises(RetrievalIndexError, match="twice with different content"):
         build_index([Doc("a", "one"), Doc("a", "two")])
     with pytest.raises(RetrievalIndexError, match="cannot be searched as 'dense'"):
@@ -150,8 +192,8 @@ def test_bad_build_inputs(docs):
 
 
 def test_import_is_light():
-    code = ("import sys, cachegraft_cli.retrieval, cachegraft_cli.corpus; "
-            "print([m for m in ('torch', 'bm25s', 'sentence_transformers') if m in sys.modules])")
+    code = ("import sys, cachegraft_cli.retrieval, cachegraft_cli.corpus, cachegraft_cli.indexes; "
+            "print([m for m in ('torch', 'bm25s', 'sentence_transformers', 'tantivy', 'usearch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -175,19 +217,21 @@ def tiny_embedder(tmp_path_factory, docs):
     return str(root)
 
 
-def test_dense_tiny_model(docs, tiny_embedder, tmp_path, monkeypatch):
-    index = build_index(docs[:20], "dense", embedder=tiny_embedder, progress=False)
-    matrix = index._dense.matrix
-    assert matrix.shape == (20, 32) and np.allclose(np.linalg.norm(matrix, axis=1), 1, atol=1e-5)
+@pytest.mark.parametrize("engine", ["usearch", "flat"])
+def test_dense_tiny_model(docs, tiny_embedder, tmp_path, monkeypatch, engine):
+    index = build_index(docs[:20], "dense", embedder=tiny_embedder, progress=False, engines=[engine])
+    assert index.engines == {"vectors": engine}
     exact = f"{docs[3].title}\n{docs[3].text}"
     assert index.search(exact, 1)[0].id == docs[3].id
-    assert index.search(exact, 1)[0].score == pytest.approx(1.0, abs=1e-4)
+    assert index.search(exact, 1)[0].score == pytest.approx(1.0, abs=1e-4 if engine == "flat" else 2e-2)
     index.save(tmp_path / "index")
+    meta = json.loads((tmp_path / "index" / "index.json").read_text())
+    assert meta["dim"] == 32 and meta["engines"]["vectors"]["name"] == engine
     loaded = load_index(tmp_path / "index")
     assert loaded.embedder == tiny_embedder and loaded.search(exact, 3) == index.search(exact, 3)
     encoded = []
-    original = type(loaded._dense)._encode
-    monkeypatch.setattr(type(loaded._dense), "_encode",
+    original = _Embedder.encode
+    monkeypatch.setattr(_Embedder, "encode",
                         lambda self, texts, query: encoded.append(len(texts)) or original(self, texts, query))
     assert loaded.add(docs) == 4 and encoded == [4]  # only the new docs are embedded
     assert loaded.search(f"{docs[22].title}\n{docs[22].text}", 1)[0].id == docs[22].id
@@ -220,8 +264,7 @@ def test_embedder_errors(docs, tiny_embedder, tmp_path):
         load_index(tmp_path / "index", embedder=str(other)).search("bridge", 1)
 
 
-needs_minilm = pytest.mark.skipif(not (EMBEDDER and Path(EMBEDDER).is_dir()),
-                                  reason="CACHEGRAFT_TEST_EMBEDDER does not name a local model directory")
+needs_minilm = pytest.mark.skipif(not EMBEDDER, reason=reason("CACHEGRAFT_TEST_EMBEDDER", "all-minilm-l6-v2"))
 
 
 @pytest.fixture(scope="module")

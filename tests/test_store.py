@@ -276,7 +276,7 @@ def test_content_hashes_come_from_the_index_tables(tmp_path):
         w.add(PassageRow("a", text="x", content_hash="h1"), {"fused": np.ones((2, 1, 2, 1, 4), np.float32)})
     reopened = CacheStore.open(str(tmp_path / "s"))
     assert reopened.content_hashes() == {"a": "h1"}
-    assert all(t.content is None for t in reopened._tables)  # no text was loaded
+    assert all(t.content is None for t in reopened.tables)  # no text was loaded
 
 
 def _as_format_1(url):

@@ -176,7 +176,7 @@ def test_run_saves_a_loadable_fuser_that_reproduces_training(tiny_dirs, tiny_mod
     cfg = _config(tiny_dirs, squad_file, tmp_path / "run")
     ds = read_files(cfg.data)
     ids, _, val_keys = select_passages(cfg, tpl, ds, None)
-    val = cap_items(build_items(cfg, tpl, ids, val_keys, ds.questions), cfg.max_val_items, cfg.seed)
+    val = cap_items(build_items(cfg, tpl, ids, val_keys, ds.questions, ds.passages), cfg.max_val_items, cfg.seed)
     bank = CacheBank(bank_identity(r, s, tpl, "float32"), "float32")
     bank.fill(engine, {k: ids[k] for k in val_keys})
     prefix = kvcache.batched(engine.prefix_kv())
@@ -282,10 +282,10 @@ def test_multi_passage_items_are_assembled_as_ask_assembles_them(tiny_models):
         torch.nn.init.normal_(fuser.projectors[0].key_proj_out.weight, std=0.5)
     fuser.eval()
     lengths = {k: len(v) for k, v in ids.items()}
-    multi = objectives.with_distractors(items, list(ids), lengths, 3, seed=5)
+    multi = objectives.with_passages(items, list(ids), lengths, [3], seed=5)
     item = multi[0]
     assert len(item.parts) == 3 and item.passage in dict(item.parts) and item.past_tokens == sum(n for _, n in item.parts)
-    assert multi == objectives.with_distractors(items, list(ids), lengths, 3, seed=5)
+    assert multi == objectives.with_passages(items, list(ids), lengths, [3], seed=5)
     rotator = kvcache.KeyRotator.for_model(r.model)
     with torch.no_grad():
         past, got_lengths = objectives.fused_past(fuser, bank, prefix, [item], False, rotator)
@@ -309,4 +309,77 @@ def test_passages_per_item_trains_and_is_checked(tiny_dirs, squad_file, tmp_path
     summary = run(_config(tiny_dirs, squad_file, tmp_path / "k3", passages_per_item=3), progress=False)
     assert summary["status"] == "completed" and summary["steps"] == 4
     with pytest.raises(TrainingError, match="passages-per-item"):
-        _config(tiny_dirs, squad_file, tmp_path / "x", passages_per_item=2, objective="lm").check()
+        _config(tiny_dirs, squad_file, tmp_path / "x", passages_per_item=[1, 2], objective="lm").check()
+
+
+def test_training_nll_with_order_and_recompute_equals_the_ask_path(tiny_models):
+    """An item's NLL in training (fused past + recomputed boundary tokens + question/answer, one pass)
+    equals the NLL of the same tokens read through ask's assembly (`Assembler.prompt`), and a mixed
+    batch (k = 1 and 3, with and without recompute) equals its items one at a time."""
+    from cachegraft_cli.assembly import Assembler, AssemblyOptions
+    from cachegraft_cli.generation import prompt_logits
+
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    tpl, fuser, engine, ids, bank, prefix, items = _setup(r, s)
+    fuser.set_gates(1.0)
+    with torch.no_grad():
+        torch.nn.init.normal_(fuser.projectors[0].key_proj_out.weight, std=0.5)
+    fuser.eval()
+    lengths = {k: len(v) for k, v in ids.items()}
+    multi = objectives.with_recompute(objectives.with_passages(items, list(ids), lengths, [3], seed=2), ids, 3)
+    item = multi[0]
+    assert len(item.recompute) == 6 and all(ids[k][j] == t for (o, t), (k, j) in zip(
+        item.recompute, [(item.parts[1][0], j) for j in range(3)] + [(item.parts[2][0], j) for j in range(3)]))
+    with torch.no_grad():
+        train_nll, count = objectives.batch_nll(r, fuser, bank, prefix, [item])
+        arrays = [kvcache.to_token_major(engine.fuse([ids[k]])[0].fused) for k, _ in item.parts]
+        prompt = Assembler(r, engine.prefix_kv()).prompt(arrays, [ids[k] for k, _ in item.parts], list(item.ids),
+                                                         AssemblyOptions(recompute=3))
+        logits = prompt_logits(r, prompt)
+    targets = torch.tensor(item.ids[item.n_context:])
+    ask_nll = torch.nn.functional.cross_entropy(logits[item.n_context - 1 : -1], targets, reduction="sum")
+    assert count == len(targets) and abs(float(train_nll) - float(ask_nll)) < 1e-3
+    with torch.no_grad():
+        batch = [multi[0], items[3], multi[4], objectives.with_passages(items, list(ids), lengths, [3], seed=2)[1]]
+        total, n = objectives.batch_nll(r, fuser, bank, prefix, batch)
+        singles = [objectives.batch_nll(r, fuser, bank, prefix, [i]) for i in batch]
+    assert n == sum(c for _, c in singles) and abs(float(total) - sum(float(x) for x, _ in singles)) < 1e-3
+
+
+def test_retrieved_distractors_follow_ask_order(tiny_dirs, squad_file, tmp_path):
+    """Retrieved distractors are BM25's top k in ask's order, the answer's passage kept; the k mix is split evenly."""
+    from cachegraft_cli.models import load_causal_lm
+    from cachegraft_cli.training.data import read_files
+    from cachegraft_cli.training.setup import build_items, rank_passages, select_passages
+
+    cfg = _config(tiny_dirs, squad_file, tmp_path / "r", passages_per_item=[1, 3], val_fraction=0.0, recompute=2)
+    cfg.check()
+    r = load_causal_lm(str(tiny_dirs["receiver"]), device="cpu", dtype="float32")
+    tpl = PromptTemplate.for_tokenizer(r.tokenizer)
+    ds = read_files(cfg.data)
+    ids, train, _ = select_passages(cfg, tpl, ds, None)
+    built = build_items(cfg, tpl, ids, train, ds.questions, ds.passages)
+    questions = [q for q in ds.questions if q.passage in set(train)]
+    ranked = rank_passages(questions, [ds.passages[k] for k in train], 3)
+    assert sum(len(i.parts) > 1 for i in built) >= 2
+    for item, ranking in zip(built, ranked):
+        keys = [k for k, _ in item.parts]
+        if len(keys) == 1:
+            assert keys == [item.passage] and item.recompute == ()
+            continue
+        top = ranking[:3] if item.passage in ranking[:3] else ranking[:2] + [item.passage]
+        assert keys == top[::-1]  # ask's order: the best passage last, next to the question
+        assert len(item.recompute) == sum(min(2, n) for _, n in item.parts[1:])
+
+
+def test_holdout_removes_the_evaluated_corpus(tiny_dirs, squad_file, tmp_path):
+    from cachegraft_cli.training.data import read_files
+    from cachegraft_cli.training.setup import without_holdout
+
+    cfg = _config(tiny_dirs, squad_file, tmp_path / "h", holdout=[f"h={squad_file}?articles=1"])
+    kept, removed = without_holdout(cfg, read_files(cfg.data))
+    full = read_files(cfg.data)
+    assert removed > 0 and len(kept.passages) == len(full.passages) - removed
+    assert all(q.passage in kept.passages for q in kept.questions)
+    with pytest.raises(TrainingError, match="--holdout"):
+        without_holdout(_config(tiny_dirs, squad_file, tmp_path / "h2", holdout=[str(tmp_path / "nope.json")]), full)

@@ -13,7 +13,7 @@ from cachegraft_cli.cli.errors import handled, set_debug
 app = typer.Typer(
     name="cachegraft",
     help="RAG where knowledge travels as fused KV caches: encode a corpus once, answer with the small model only.",
-    no_args_is_help=True,
+    no_args_is_help=True, rich_markup_mode=None,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
@@ -30,7 +30,9 @@ def _root(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="CACHEGRAFT_DEBUG")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks on errors.", envvar="CACHEGRAFT_DEBUG")
+    ] = False,
 ) -> None:
     set_debug(debug)
 
@@ -45,6 +47,8 @@ _register()
 
 
 def main() -> None:
-    with handled():  # usage errors too come out as one `error:` line (cli/errors.py)
-        result = app(standalone_mode=False)
-        raise SystemExit(result if isinstance(result, int) else 0)
+    """The console script. Click runs without its own error display (standalone_mode=False), so
+    usage errors go through the one error map (`cli/errors.py`) like every other failure."""
+    with handled():
+        code = app(standalone_mode=False)
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -5,18 +5,37 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, JsonOpt, SharerOpt, StoreOpt, TopKOpt, TrustOpt
+from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.cli.options import (
+    BlendLayerOpt,
+    BlendOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    OrderOpt,
+    RecomputeOpt,
+    SchemeOpt,
+    SharerOpt,
+    StoreOpt,
+    TopKOpt,
+    TrustOpt,
+)
 from cachegraft_cli.cli.output import emit_json, log
 
 
 def ask(
+    store: StoreOpt,
     question: Annotated[Optional[str], typer.Argument(help="The question (or use --questions).")] = None,
-    store: StoreOpt = ...,
     k: TopKOpt = 3,
     system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
-    scheme: Annotated[str, typer.Option(help="Position scheme for stored caches: rotate or shared.")] = "rotate",
+    scheme: SchemeOpt = "rotate",
+    order: OrderOpt = DEFAULT_ORDER,
+    recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
+    blend: BlendOpt = 0.0,
+    blend_layer: BlendLayerOpt = 1,
     questions: Annotated[
-        Optional[str], typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin.")
+        Optional[str],
+        typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin."),
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
     batch_size: Annotated[
@@ -33,33 +52,39 @@ def ask(
     json_out: JsonOpt = False,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
-    from cachegraft_cli.ask import AskOptions, Asker
+    from cachegraft_cli.api import Store, ask_options
+    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.errors import UsageError
-    from cachegraft_cli.generation import GenerationConfig
-    from cachegraft_cli.session import ModelChoice
+    from cachegraft_cli.questions import read_questions
+    from cachegraft_cli.systems import check_question
 
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
-    # Everything is checked before any model loads: options, the questions file, the store.
-    options = AskOptions(system, k, scheme, GenerationConfig(max_new_tokens, temperature, 1.0, seed))
-    options.check()
+    # Everything that can be checked is checked before any model loads: options, the questions
+    # file, the model choices, the store and its index.
+    items = read_questions(questions) if questions is not None else []
+    if question is not None:
+        check_question(question)
+    options = dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
+                   blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    ask_options(**options)
     _check_index_kind(index_kind)
-    if question is not None and not question.strip():
-        raise UsageError("The question is empty.", 'Pass a question, e.g. cachegraft ask "Who founded the town?".')
-    items = _read_questions(questions) if questions is not None else None
-    overrides = ModelChoice("", sharer, None, device=device, dtype=dtype, trust_remote_code=trust_remote_code).check()
-    asker = Asker(store, overrides, index_kind)
-    asker.check_system(system)
-    _note_closed_fuser(asker, system)
-    asker.warm(system)
-    _note_coverage(asker, system, store)
-    if items is not None:
-        _batch(asker, items, options, batch_size)
+    graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+                  trust_remote_code=trust_remote_code)
+    graft.check(system)
+    _note_closed_fuser(graft, system)
+    _note_coverage(graft, system, store)
+    batch = questions is not None
+    with showing_status(json_out or batch):
+        graft.warm(system)
+    if batch:
+        _batch(graft, items, options, batch_size)
         return
+    assert question is not None  # exactly one of QUESTION and --questions was given (checked above)
     stream = sys.stdout.isatty() and not json_out
-    result = asker.ask(question, options, on_text=_echo if stream else None)
-    _print(result, json_out, stream, show_passages)
+    answer = graft.ask(question, on_text=_echo if stream else None, **options)
+    _print(answer.as_dict(), json_out, stream, show_passages)
 
 
 def _check_index_kind(kind: str | None) -> None:
@@ -70,16 +95,16 @@ def _check_index_kind(kind: str | None) -> None:
                          "Use bm25 or dense (to search one half of a hybrid index), or leave it out.")
 
 
-def _note_coverage(asker, system: str, store: str) -> None:
+def _note_coverage(graft, system: str, store: str) -> None:
     from cachegraft_cli.indexing import coverage_note
 
-    note = coverage_note(asker.store, asker.index, store) if system != "closed" else None
+    note = coverage_note(graft.asker.store, graft.asker.index, store) if system != "closed" else None
     if note:
         log(f"warning: {note}")
 
 
-def _note_closed_fuser(asker, system: str) -> None:
-    if system == "graft" and asker.store.identity.get("fuser") is None:
+def _note_closed_fuser(graft, system: str) -> None:
+    if system == "graft" and graft.asker.store.identity.get("fuser") is None:
         log("note: this store was encoded with the fuser closed, "
             "so `graft` answers from the receiver's own caches (the `cache` system).")
 
@@ -99,36 +124,52 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(asker, items: list[tuple], options, batch_size: int) -> None:
+def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
     """One JSON line out per question in, models loaded once, decoded in batches.
-    A question with no retrieved passage gets an error line; the exit code says so."""
+    A question with no retrieved passage gets an error line; the exit code says so.
+    On a TTY, stderr counts the questions answered."""
     from cachegraft_cli.errors import NoPassagesError
 
     failed = 0
+    counter = _Counter(len(items))
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         try:
-            results = asker.ask_many([q for _, q in chunk], options, batch_size)
+            results = [a.as_dict() for a in graft.ask_many([q for _, q in chunk], batch_size=batch_size, **options)]
         except NoPassagesError:
-            results = [_one(asker, q, options) for _, q in chunk]
+            results = [_one(graft, q, options) for _, q in chunk]
         for (qid, _), result in zip(chunk, results):
             failed += "error" in result
             emit_json({"id": qid, **result})
+        counter.add(len(chunk))
+    counter.done()
     if failed:
         raise NoPassagesError(f"{failed} of {len(items)} questions retrieved no passage (see their error lines).",
                               "Rephrase them with words from the corpus, or use a dense index.")
 
 
-def _one(asker, question: str, options) -> dict:
+def _one(graft, question: str, options: dict) -> dict:
     from cachegraft_cli.errors import NoPassagesError
 
     try:
-        return asker.ask(question, options)
+        return graft.ask(question, **options).as_dict()
     except NoPassagesError as exc:
         return {"question": question, "error": exc.message}
 
 
-def _read_questions(source: str) -> list[tuple]:
-    from cachegraft_cli.questions import read_questions
+class _Counter:
+    """`answered N/M` on stderr, rewritten in place; only when stderr is a TTY (NDJSON runs stay quiet)."""
 
-    return read_questions(source)
+    def __init__(self, total: int):
+        self.total, self.n, self.on = total, 0, sys.stderr.isatty()
+
+    def add(self, n: int) -> None:
+        self.n += n
+        if self.on:
+            sys.stderr.write(f"\ranswered {self.n}/{self.total}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.on and self.n:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

@@ -5,52 +5,84 @@ from typing import Annotated, Optional
 import typer
 
 from cachegraft_cli.cli.options import (
-    BatchOpt, DeviceOpt, DtypeOpt, FuserOpt, InstructionOpt, JsonOpt, PresetOpt, ReceiverOpt, SharerOpt, StoreOpt,
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FuserOpt,
+    InstructionOpt,
+    JsonOpt,
+    PresetOpt,
+    ReceiverOpt,
+    SharerOpt,
+    StoreOpt,
     TrustOpt,
 )
 from cachegraft_cli.cli.output import emit_json, log
 
 
 def encode(
-    corpus: Annotated[str, typer.Argument(help="JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md files, or - for stdin.")],
+    corpus: Annotated[
+        str, typer.Argument(help="JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md files, or - for stdin.")
+    ],
     store: StoreOpt,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
     sharer: SharerOpt = None,
     fuser: FuserOpt = None,
-    codec: Annotated[str, typer.Option(help="bf16 (lossless), int8 or int4.")] = "bf16",
+    codec: Annotated[
+        Optional[str], typer.Option(help="bf16 (lossless), int8 or int4 (default: the store's, bf16 for a new one).")
+    ] = None,
     batch_size: BatchOpt = 8,
-    max_passage_tokens: Annotated[int, typer.Option(min=16, help="Longer passages are split into chunks (never truncated).")] = 512,
-    also_own_cache: Annotated[bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")] = False,
+    max_passage_tokens: Annotated[
+        int, typer.Option(min=16, help="Longer passages are split into chunks (never truncated).")
+    ] = 512,
+    also_own_cache: Annotated[
+        bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")
+    ] = False,
     skip_bad: Annotated[bool, typer.Option(help="Skip and count bad input records instead of stopping.")] = False,
-    fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv, tsv, json or dir (default: by extension).")] = None,
+    fmt: Annotated[
+        Optional[str], typer.Option("--format", help="jsonl, csv, tsv, json or dir (default: by extension).")
+    ] = None,
     id_field: Annotated[str, typer.Option(help="Column/field holding the passage id.")] = "id",
     text_field: Annotated[str, typer.Option(help="Column/field holding the passage text.")] = "text",
     title_field: Annotated[str, typer.Option(help="Column/field holding the title.")] = "title",
-    commit_every: Annotated[int, typer.Option(min=1, help="Passages per committed segment (bounds work lost to a crash).")] = 2000,
+    commit_every: Annotated[
+        int, typer.Option(min=1, help="Passages per committed segment (bounds work lost to a crash).")
+    ] = 2000,
     instruction: InstructionOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
+    engine: Annotated[str, typer.Option(
+        help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option(
+        help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
+    actors: Annotated[int | None, typer.Option(
+        min=1, help="Ray: fusing actors; each loads the models once (default 1).")] = None,
+    gpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.0, help="Ray: GPUs per actor; 0.5 puts two actors on a GPU (default 0).")] = None,
+    cpus_per_actor: Annotated[float | None, typer.Option(
+        min=0.01, help="Ray: CPUs per actor, for compressing and writing (default 1).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
+    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encode import EncodeOptions, check_corpus, encode_corpus
+    from cachegraft_cli.encode import EncodeOptions, check_corpus, encode_into
     from cachegraft_cli.progress import EncodeProgress
-    from cachegraft_cli.session import ModelChoice, ModelSession
 
     # Everything is checked before anything is written or any model loads.
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
-    choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype,
-                                 trust_remote_code=trust_remote_code, instruction=instruction).check()
+    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor, device)
     reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
                          skip_bad=skip_bad, format=fmt)
     count = check_corpus(reader)  # one streamed pass over every record; nothing is kept in memory
-    if choice.fuser in (None, "closed"):
+    with showing_status(json_out), EncodeProgress(count) as bar:
+        summary = encode_into(store, reader, options, preset=preset, receiver=receiver, sharer=sharer, fuser=fuser,
+                              device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                              instruction=instruction, progress=bar, ray=ray_options, planned=bar.set_total)
+    if summary.fuser == "closed" and summary.added:
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
-    with EncodeProgress(count) as bar:
-        summary = encode_corpus(reader, store, ModelSession(choice), options, progress=bar, planned=bar.set_total)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     if json_out:
@@ -59,9 +91,33 @@ def encode(
         _print(summary)
 
 
+def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, device):
+    """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
+    from cachegraft_cli.engines import ENGINES
+    from cachegraft_cli.errors import UsageError
+
+    if engine not in ENGINES:
+        raise UsageError(f"unknown --engine {engine!r}.", f"Use one of: {', '.join(ENGINES)}.")
+    given = {"--address": address, "--actors": actors, "--gpus-per-actor": gpus_per_actor,
+             "--cpus-per-actor": cpus_per_actor}
+    if engine == "local":
+        flags = [flag for flag, value in given.items() if value is not None]
+        if flags:
+            raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
+        return None
+    from cachegraft_cli.engines.ray_engine import RayOptions, check_devices, require_ray
+
+    options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
+                         cpus_per_actor=cpus_per_actor or 1.0)
+    check_devices(device, options)
+    require_ray()  # before the corpus is read or anything loads
+    return options
+
+
 def _print(s) -> None:
     typer.echo(
-        f"{s.store}: added {s.added} passages ({s.tokens:,} tokens, {s.bytes:,} bytes, {s.bytes_per_token:,.0f} B/token), "
+        f"{s.store}: added {s.added} passages ({s.tokens:,} tokens, {s.bytes:,} bytes, {s.bytes_per_token:,.0f} "
+        "B/token), "
         f"skipped {s.skipped_existing} already stored, {s.skipped_bad} bad; {s.chunks_split} extra chunks from long "
         f"passages; {s.seconds:.1f} s."
     )

@@ -25,21 +25,6 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _click_exceptions():
-    """typer's own copy of click (typer >= 0.22 vendors it), else click."""
-    try:
-        from typer._click import exceptions
-    except ImportError:
-        from click import exceptions  # type: ignore[no-redef]
-    return exceptions
-
-
-def _abort() -> type:
-    import typer
-
-    return typer.Abort
-
-
 def report(exc: BaseException) -> int:
     """Print `exc` for a user and return the exit code it maps to."""
     if debug_enabled():
@@ -49,24 +34,17 @@ def report(exc: BaseException) -> int:
         if exc.hint:
             _say(f"  hint: {exc.hint}")
         return exc.exit_code
-    clicks = _click_exceptions()
-    no_args = getattr(clicks, "NoArgsIsHelpError", None)
-    if no_args is not None and isinstance(exc, no_args):
-        exc.show()  # the command's help
-        return exc.exit_code
-    if isinstance(exc, clicks.UsageError):  # a bad or missing option or argument
-        command = exc.ctx.command_path if exc.ctx is not None else "cachegraft"
-        _say(f"error: {exc.format_message()}")
-        _say(f"  hint: Run `{command} --help` to see the options.")
-        return exc.exit_code
-    if isinstance(exc, clicks.ClickException):
-        _say(f"error: {exc.format_message()}")
-        return exc.exit_code
-    if isinstance(exc, (KeyboardInterrupt, _abort())):
+    click_code = _click_error(exc)
+    if click_code is not None:
+        return click_code
+    if isinstance(exc, KeyboardInterrupt):
         _say("interrupted")
         return 130
-    if isinstance(exc, MemoryError):
-        _say("error: out of memory. Use a smaller --batch-size or a smaller model.")
+    if isinstance(exc, MemoryError) or _is_torch_oom(exc):
+        where = "GPU" if _is_torch_oom(exc) else "RAM"
+        _say(f"error: out of memory ({where}): {str(exc).splitlines()[0] if str(exc) else 'allocation failed'}")
+        _say("  hint: use a smaller --batch-size, a lighter --dtype (bfloat16), --device cpu, "
+             "or a smaller model.")
         return 13
     if isinstance(exc, BrokenPipeError):
         return 0  # downstream closed the pipe (e.g. `| head`): not an error
@@ -77,6 +55,32 @@ def report(exc: BaseException) -> int:
     _say(f"error: unexpected {type(exc).__name__}: {exc}")
     _say("  hint: this is a bug in cachegraft; rerun with --debug for the traceback and report it.")
     return 70
+
+
+def _click_error(exc: BaseException) -> int | None:
+    """Usage errors from option parsing, as one line plus a hint; None for other exceptions.
+    Typer ships its own copy of click, so its exceptions are recognised by class name."""
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    if "NoArgsIsHelpError" in kinds:
+        print(exc.format_message())  # type: ignore[attr-defined]  # a bare `cachegraft` or group: its help
+        return int(exc.exit_code)  # type: ignore[attr-defined]
+    if "Abort" in kinds and "ClickException" not in kinds:
+        _say("interrupted")
+        return 130
+    if "ClickException" not in kinds:
+        return None
+    _say(f"error: {' '.join(exc.format_message().split())}")  # type: ignore[attr-defined]
+    ctx = getattr(exc, "ctx", None)
+    if "UsageError" in kinds:
+        _say(f"  hint: see `{ctx.command_path if ctx is not None else 'cachegraft'} --help`.")
+    return int(exc.exit_code)  # type: ignore[attr-defined]
+
+
+def _is_torch_oom(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (a RuntimeError), recognised without importing torch."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(exc, oom)
 
 
 @contextmanager

@@ -5,32 +5,76 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.cli.options import DeviceOpt, DtypeOpt, FuserOpt, JsonOpt, PresetOpt, ReceiverOpt, SharerOpt
+from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.cli.options import (
+    BlendLayerOpt,
+    BlendOpt,
+    DeviceOpt,
+    DtypeOpt,
+    FuserOpt,
+    JsonOpt,
+    OrderOpt,
+    PresetOpt,
+    ReceiverOpt,
+    RecomputeOpt,
+    SchemeOpt,
+    SharerOpt,
+)
 from cachegraft_cli.cli.output import emit_json
 
 
 def evaluate(
     benchmark: Annotated[
         list[str],
-        typer.Option("--benchmark", "-B", help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable."),
+        typer.Option(
+            "--benchmark",
+            "-B",
+            help="[name=]squad.json | [name=]qa.jsonl | [name=]hf:DATASET[:SPLIT][?col=field]. Repeatable.",
+        ),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (re-run to resume; judges may be added or dropped on resume).")],
-    systems: Annotated[str, typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter.")] = "graft,text,cache,closed",
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Run directory (re-run to resume; judges may be added or dropped on resume)."),
+    ],
+    systems: Annotated[
+        str,
+        typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter; SYSTEM@key=value "
+                          "overrides the assembly for one entry, e.g. text@order=retrieval (keys: order, recompute, "
+                          "blend, blend_layer, scheme)."),
+    ] = "graft,text,cache,closed",
     ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
-    judge: Annotated[list[str], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")] = [],
+    judge: Annotated[
+        Optional[list[str]], typer.Option("--judge", "-J", help="Judge model (hub id, local dir, .gguf). Repeatable.")
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions per benchmark (sampled with --seed).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling and bootstrap seed.")] = 0,
-    corpus: Annotated[str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")] = "articles",
-    articles: Annotated[Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")] = None,
+    corpus: Annotated[
+        str, typer.Option(help="articles (paragraphs of the sampled questions' articles) or full.")
+    ] = "articles",
+    articles: Annotated[
+        Optional[int], typer.Option(min=1, help="Sample questions from this many articles only (small corpus).")
+    ] = None,
     pairwise: Annotated[bool, typer.Option(help="Also judge graft vs text pairwise (order swapped).")] = False,
-    judge_limit: Annotated[Optional[int], typer.Option(min=1, help="Judge only N seeded-random questions of each benchmark (all their systems and k; saves CPU time).")] = None,
+    judge_limit: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="Judge only N seeded-random questions of each benchmark (all their systems and k; saves CPU time).",
+        ),
+    ] = None,
     preset: PresetOpt = None,
     receiver: ReceiverOpt = None,
     sharer: SharerOpt = None,
     fuser: FuserOpt = None,
-    adapter_fuser: Annotated[Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")] = None,
+    adapter_fuser: Annotated[
+        Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")
+    ] = None,
     codec: Annotated[str, typer.Option(help="Store codec: bf16, int8 or int4.")] = "bf16",
-    scheme: Annotated[str, typer.Option(help="Position scheme: rotate or shared.")] = "rotate",
+    scheme: SchemeOpt = "rotate",
+    order: OrderOpt = DEFAULT_ORDER,
+    recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
+    blend: BlendOpt = 0.0,
+    blend_layer: BlendLayerOpt = 1,
     stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused.")] = Path("stores"),
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
     device: DeviceOpt = None,
@@ -38,19 +82,49 @@ def evaluate(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
+    from cachegraft_cli.assembly import AssemblyOptions
+    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
     from cachegraft_cli.fuser import check_fuser_spec
     from cachegraft_cli.session import ModelChoice
 
+    AssemblyOptions(order, scheme, recompute, blend, blend_layer).check()  # before anything loads
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
     check_fuser_spec(adapter_fuser)
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
-    acfg = AnswererConfig(choice.receiver, choice.sharer, choice.fuser, adapter_fuser, codec, scheme,
-                          max_new_tokens=max_new_tokens, device=device, dtype=dtype, stores_dir=str(stores))
-    config = RunConfig(benchmark, system_list, out, _ints(ks), list(judge), limit, seed, corpus, articles, pairwise,
-                       answerer_config=acfg.results_key(), judge_limit=judge_limit)
-    summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
+    acfg = AnswererConfig(
+        choice.receiver,
+        choice.sharer,
+        choice.fuser,
+        adapter_fuser,
+        codec,
+        scheme,
+        order,
+        recompute,
+        blend,
+        blend_layer,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        dtype=dtype,
+        stores_dir=str(stores),
+    )
+    config = RunConfig(
+        benchmark,
+        system_list,
+        out,
+        _ints(ks),
+        list(judge or []),
+        limit,
+        seed,
+        corpus,
+        articles,
+        pairwise,
+        answerer_config=acfg.results_key(),
+        judge_limit=judge_limit,
+    )
+    with showing_status(json_out):
+        summary = run_evaluation(config, StoreAnswerer(acfg, system_list))
     if json_out:
         emit_json(summary)
         return

@@ -8,7 +8,12 @@ import typer
 from cachegraft_cli.cli.options import JsonOpt
 from cachegraft_cli.cli.output import emit_json
 
-fuser_app = typer.Typer(name="fuser", help="Inspect fuser checkpoints and convert between layouts.", no_args_is_help=True)
+fuser_app = typer.Typer(
+    name="fuser",
+    help="Inspect fuser checkpoints and convert between layouts.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 
 @fuser_app.command("info")
@@ -24,7 +29,16 @@ def info(
     if json_out:
         emit_json(summary)
         return
-    for key in ("receiver", "sharer", "alignment", "projectors", "parameters", "hidden_dim", "open_gates", "fingerprint"):
+    for key in (
+        "receiver",
+        "sharer",
+        "alignment",
+        "projectors",
+        "parameters",
+        "hidden_dim",
+        "open_gates",
+        "fingerprint",
+    ):
         typer.echo(f"{key:12} {summary[key]}")
 
 

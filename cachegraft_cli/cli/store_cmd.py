@@ -1,4 +1,4 @@
-"""`cachegraft store info|verify|repair|unlock DIR`: inspect, check and repair a cache store."""
+"""`cachegraft store info|verify|repair|compact|unlock DIR`: inspect, check, repair and compact a cache store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import typer
 
 from cachegraft_cli.cli.options import JsonOpt
 
-store_app = typer.Typer(name="store", help="Inspect, verify, repair or unlock a cache store.", no_args_is_help=True)
+store_app = typer.Typer(
+    name="store", help="Inspect, verify, repair, compact or unlock a cache store.", no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 DirArg = Annotated[str, typer.Argument(help="Store directory or fsspec URL (e.g. s3://bucket/store).", metavar="DIR")]
 
@@ -47,24 +50,40 @@ def _info_table(report: dict):
     table.add_row("bytes", _fmt_bytes(report["bytes"]["total"]))
     for kind, bpt in report["bytes_per_token"].items():
         ratio = report["ratio_to_raw_bf16"][kind]
-        text = "-" if bpt is None else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
+        text = (
+            "-"
+            if bpt is None
+            else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
+        )
         table.add_row(f"bytes/token {kind}", text)
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
-        table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed {seg['committed']}")
+        table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
+                          f"{seg['committed']}")
+    table.add_row("index", _index_text(report.get("index"), report["url"]))
     if report["writer"]:
         w = report["writer"]
         table.add_row("writer", f"pid {w.get('pid')} on {w.get('host')} since {w.get('since')}")
     return table
 
 
+def _index_text(index: dict | None, url: str) -> str:
+    if index is None:
+        return f"none (build it with `cachegraft index --store {url}`)"
+    if index.get("kind") is None:
+        return f"unreadable: {index['problem']}"
+    model = f" ({index['embedder']})" if index.get("embedder") else ""
+    state = f"stale: run `cachegraft index --store {url}` to add the new passages" if index["stale"] else "up to date"
+    return f"{index['kind']}{model}, {index['passages']:,} passages, {_fmt_bytes(index['bytes'])}; {state}"
+
+
 @store_app.command("info")
 def info(store: DirArg, json: JsonOpt = False) -> None:
-    """Geometry, models, codec, passages, tokens, bytes and segments of a store."""
+    """Geometry, models, codec, passages, tokens, bytes, segments and retrieval index of a store."""
     from cachegraft_cli.cli.output import emit_json, stdout_console
-    from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.indexing import store_report
 
-    report = CacheStore.open(store).info()
+    report = store_report(store)
     if json:
         emit_json(report)
         return
@@ -106,8 +125,10 @@ def verify(
     if not report["ok"]:
         first = report["problems"][0]
         raise StoreCorruptError(
-            f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: {first['problem'].rstrip('.')}.",
-            hint=f"Run `cachegraft store repair {store}` to drop the damaged passages (--reencode encodes them again).")
+            f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: "
+            f"{first['problem'].rstrip('.')}.",
+            hint=f"Run `cachegraft store repair {store}` to drop the damaged passages (--reencode encodes them "
+                 "again).")
     if not json:
         typer.echo("ok")
 
@@ -123,7 +144,9 @@ def _where(p: dict) -> str:
 @store_app.command("repair")
 def repair(
     store: DirArg,
-    reencode: Annotated[bool, typer.Option("--reencode", help="Encode dropped passages again (loads the store's models).")] = False,
+    reencode: Annotated[
+        bool, typer.Option("--reencode", help="Encode dropped passages again (loads the store's models).")
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Rebuild a lost manifest from commit records, drop damaged passages (or encode them again), fix the index."""
@@ -171,13 +194,36 @@ def unlock(
     force: Annotated[bool, typer.Option("--force", help="Remove a lock held from another host.")] = False,
 ) -> None:
     """Remove a stale writer lock left by a dead writer (refused while the writer lives)."""
-    from cachegraft_cli.store.lock import unlock as do_unlock
+    from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.location import Location
-    from cachegraft_cli.store.store import read_meta
+    from cachegraft_cli.store.lock import unlock as do_unlock
 
+    CacheStore.check_exists(store)  # a missing store fails with its usual hint
     loc = Location.from_url(store)
-    read_meta(loc)  # a missing store fails with its usual hint
     typer.echo(do_unlock(loc, force=force))
     index_lock = "index/lock"
     if loc.exists(index_lock) and not loc.local:  # a killed `cachegraft index` on an object store
         typer.echo(f"index: {do_unlock(loc, force=force, name=index_lock)}")
+
+
+@store_app.command("compact")
+def compact(
+    store: DirArg,
+    target_bytes: Annotated[int, typer.Option(
+        min=1, help="Merge runs of segments under half this size until one holds this many bytes.")] = 1 << 30,
+    grace: Annotated[float, typer.Option(
+        min=0.0, help="Seconds replaced segments stay for readers that opened before.")] = 3600.0,
+    json: JsonOpt = False,
+) -> None:
+    """Merge small segments into larger ones; cache bytes and checksums stay the same (safe to interrupt)."""
+    from cachegraft_cli.cli.output import emit_json
+    from cachegraft_cli.store.compact import CompactOptions, compact as do_compact
+
+    report = do_compact(store, CompactOptions(target_bytes=target_bytes, grace_seconds=grace))
+    if json:
+        emit_json(report)
+        return
+    rows = sum(m["rows"] for m in report["merged"])
+    typer.echo(f"{report['url']}: {report['segments_before']} -> {report['segments_after']} segments "
+               f"({len(report['merged'])} merged, {rows:,} rows moved); deleted {len(report['retired_deleted'])} "
+               f"retired segments; {report['seconds']:.1f} s.")

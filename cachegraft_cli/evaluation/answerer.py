@@ -26,6 +26,10 @@ class AnswererConfig:
     adapter_fuser: str | None = None
     codec: str = "bf16"
     scheme: str = "rotate"
+    order: str = "best-last"
+    recompute: int = 16
+    blend: float = 0.0
+    blend_layer: int = 1
     index_kind: str = "bm25"
     max_new_tokens: int = 32
     encode_batch_size: int = 8
@@ -44,15 +48,19 @@ class AnswererConfig:
 
 class StoreAnswerer:
     def __init__(self, config: AnswererConfig, systems: list[str]):
+        from cachegraft_cli.evaluation.variants import base_system
+
         self.config = config
-        self.systems = systems
+        self.labels = list(systems)
+        self.systems = sorted({base_system(s) for s in systems})  # what stores and models are needed for
         self._askers: dict[tuple[str, str], object] = {}
         self._sessions: dict[str, object] = {}
 
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
             if not self.config.adapter_fuser:
-                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with --sharer-input zero).")
+                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with "
+                                                                              "--sharer-input zero).")
             return self.config.adapter_fuser
         return self.config.fuser
 
@@ -114,12 +122,21 @@ class StoreAnswerer:
             self._askers[key] = Asker(self._store_url(bench, fuser), session=self._session(fuser))
         return self._askers[key]
 
-    def answer(self, benchmark_name: str, questions, system: str, k: int) -> list[dict]:
+    def options(self, label: str, k: int):
+        """AskOptions of a system label (`text@order=retrieval`): the run's assembly plus the label's overrides."""
         from cachegraft_cli.ask import AskOptions
+        from cachegraft_cli.evaluation.variants import parse_variant
         from cachegraft_cli.generation import GenerationConfig
 
+        c, variant = self.config, parse_variant(label)
+        settings = {"scheme": c.scheme, "order": c.order, "recompute": c.recompute, "blend": c.blend,
+                    "blend_layer": c.blend_layer, **variant.overrides}
+        return AskOptions(variant.system, max(k, 1), generation=GenerationConfig(c.max_new_tokens), **settings)
+
+    def answer(self, benchmark_name: str, questions, system: str, k: int) -> list[dict]:
+        options = self.options(system, k)
+        system = options.system
         asker = self._asker(benchmark_name, system)
-        options = AskOptions(system, max(k, 1), self.config.scheme, GenerationConfig(self.config.max_new_tokens))
         asker.warm(system)
         out = []
         for q in questions:

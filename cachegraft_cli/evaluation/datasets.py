@@ -8,7 +8,6 @@ default, every paragraph of the articles the sampled questions come from
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import random
@@ -198,7 +197,7 @@ def read_squad(path: str) -> tuple[list[QAExample], list[CorpusPassage]]:
     data = _read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise DatasetError(f"{path} is not SQuAD format (no top-level 'data' list).")
-    questions, passages, slugs = [], [], Counter()
+    questions, passages, slugs = [], [], Counter[str]()
     for a, article in enumerate(data["data"]):
         if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
             raise DatasetError(f"{path}: data[{a}] is not an article with a \"paragraphs\" list.", _SQUAD_HINT)
@@ -222,7 +221,8 @@ def _squad_question(qa, pid: str, title: str, path: str) -> QAExample:
         raise DatasetError(f"{where}: each entry of \"qas\" needs an \"id\" and a \"question\" string.",
                            _SQUAD_HINT)
     answers = qa.get("answers", [])
-    if not isinstance(answers, list) or not all(isinstance(a, dict) and isinstance(a.get("text"), str) for a in answers):
+    if not isinstance(answers, list) or not all(isinstance(a, dict) and isinstance(a.get("text"), str)
+                                                for a in answers):
         raise DatasetError(f"{where}: \"answers\" must be a list of {{\"text\": ...}} objects, "
                            f"not a {type(answers).__name__}.", _SQUAD_HINT)
     return QAExample(str(qa["id"]), qa["question"], [a["text"] for a in answers], [pid], title)
@@ -273,12 +273,15 @@ def _as_answers(value, where: str = "") -> list[str]:
 
 def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], list[CorpusPassage]]:
     """Rows with id, question, answers and optional context, title, gold_ids."""
-    questions, passages, seen, per_title = [], [], {}, {}
+    questions, passages = [], []
+    seen: dict[tuple[str, str], str] = {}  # (title, context) -> passage id
+    per_title: dict[str, int] = {}
     for n, row in enumerate(rows):
         if not row.get("question") or row.get("answers") is None:
             raise DatasetError(f"{where}: row {n + 1} lacks 'question' or 'answers'.")
         if not isinstance(row["question"], str):
-            raise DatasetError(f"{where}: row {n + 1}: 'question' must be a string, not {json.dumps(row['question'])[:40]}.")
+            raise DatasetError(f"{where}: row {n + 1}: 'question' must be a string, "
+                               f"not {json.dumps(row['question'])[:40]}.")
         title = str(row.get("title") or "")
         gold = [str(g) for g in (row.get("gold_ids") or [])]
         context = row.get("context")
@@ -289,7 +292,8 @@ def rows_to_examples(rows: list[dict], where: str) -> tuple[list[QAExample], lis
                 passages.append(CorpusPassage(pid, title, context))
             gold = gold or [pid]
         qid = str(row.get("id", n))
-        questions.append(QAExample(qid, str(row["question"]), _as_answers(row["answers"], f"{where}: row {n + 1}"), gold, title))
+        answers = _as_answers(row["answers"], f"{where}: row {n + 1}")
+        questions.append(QAExample(qid, str(row["question"]), answers, gold, title))
     return questions, passages
 
 

@@ -189,9 +189,9 @@ def _ensure_pad_token(tokenizer) -> None:
 
 
 def _label_token_ids(tokenizer, pos_words: Sequence[str], neg_words: Sequence[str]) -> tuple[list[int], list[int]]:
-    pos, neg = _first_tokens(tokenizer, pos_words), _first_tokens(tokenizer, neg_words)
-    shared = pos & neg
-    pos, neg = sorted(pos - shared), sorted(neg - shared)
+    pos_set, neg_set = _first_tokens(tokenizer, pos_words), _first_tokens(tokenizer, neg_words)
+    shared = pos_set & neg_set
+    pos, neg = sorted(pos_set - shared), sorted(neg_set - shared)
     if not pos or not neg:
         raise ModelLoadError(f"The judge tokenizer cannot tell {pos_words[0]!r} from {neg_words[0]!r} "
                              "by their first tokens.", "Use another judge model.")

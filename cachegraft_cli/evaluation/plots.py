@@ -29,7 +29,7 @@ def plot_scores(summary: dict, bench: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(rows) + 2), 3.5))
     for offset, metric in ((-width / 2, "em"), (width / 2, "f1")):
         values = [100 * (s[metric] or 0.0) for s in rows]
-        errors = list(zip(*[_err(s[metric], s[f"{metric}_ci"]) for s in rows])) or [[], []]
+        errors = [list(e) for e in zip(*[_err(s[metric], s[f"{metric}_ci"]) for s in rows])] or [[], []]
         ax.bar([x + offset for x in xs], values, width, yerr=errors, capsize=3, label=metric.upper())
     ax.set_xticks(list(xs), labels, rotation=45, ha="right")
     ax.set_ylabel("score (%)")

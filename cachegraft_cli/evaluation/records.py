@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import IO
 
 from cachegraft_cli.errors import CacheGraftError
 
@@ -25,7 +26,7 @@ class RecordFile:
         self._records: dict[tuple, dict] = {}
         if self.path.exists():
             self._load()
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def key(self, record: dict) -> tuple:
         return tuple(record[f] for f in self.key_fields)

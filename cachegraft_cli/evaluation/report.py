@@ -26,7 +26,7 @@ def _p(value) -> str:
     return f"{value:.2e}" if value < 1e-3 else f"{value:.4f}"
 
 
-def table(header: Sequence[str], rows: list[Sequence]) -> list[str]:
+def table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 

@@ -17,7 +17,12 @@ from typing import Protocol
 
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.evaluation.datasets import (
-    CORPUS_MODES, Benchmark, DatasetSpec, QAExample, load_benchmark, parse_dataset_spec,
+    CORPUS_MODES,
+    Benchmark,
+    DatasetSpec,
+    QAExample,
+    load_benchmark,
+    parse_dataset_spec,
 )
 from cachegraft_cli.evaluation.judges import Judge, JudgeItem, PairItem, judge_name, load_judge
 from cachegraft_cli.evaluation.metrics import exact_match, f1_score, recall_at_k
@@ -25,9 +30,8 @@ from cachegraft_cli.evaluation.plots import write_plots
 from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY, RecordFile, read_records
 from cachegraft_cli.evaluation.report import render_report
 from cachegraft_cli.evaluation.summary import COMPARISON_PAIRS, summarize
-
-SYSTEMS = ("graft", "text", "cache", "closed", "sharer-text", "adapter")
-K_FREE_SYSTEMS = ("closed",)  # answered once (stored with k=0) and shared by every k
+from cachegraft_cli.evaluation.variants import base_system, check_variant
+from cachegraft_cli.systems import K_FREE_SYSTEMS  # closed: answered once (k=0), shared by every k
 
 
 class Answerer(Protocol):
@@ -77,7 +81,8 @@ class RunConfig:
 
 
 def _judge_entries(specs: Sequence[str]) -> list[dict]:
-    entries, seen = [], {}
+    entries: list[dict] = []
+    seen: dict[str, int] = {}
     for spec in specs:
         name = judge_name(spec)
         seen[name] = seen.get(name, 0) + 1
@@ -87,9 +92,11 @@ def _judge_entries(specs: Sequence[str]) -> list[dict]:
 
 def validate(config: RunConfig) -> None:
     problems = []
-    unknown = [s for s in config.systems if s not in SYSTEMS]
-    if unknown:
-        problems.append(f"unknown systems {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
+    for label in config.systems:
+        try:
+            check_variant(label)
+        except UsageError as exc:
+            problems.append(f"system {label!r}: {exc.message.rstrip('.')}")
     if not config.systems or len(set(config.systems)) != len(config.systems):
         problems.append("systems must be a non-empty list without repeats")
     if not config.ks or any(k < 1 for k in config.ks) or len(set(config.ks)) != len(config.ks):
@@ -152,7 +159,7 @@ def _batches(items: list, size: int):
 
 
 def answer_jobs(config: RunConfig) -> list[tuple[str, int]]:
-    return [(s, k) for s in config.systems for k in ([0] if s in K_FREE_SYSTEMS else config.ks)]
+    return [(s, k) for s in config.systems for k in ([0] if base_system(s) in K_FREE_SYSTEMS else config.ks)]
 
 
 def answer_record(bench: str, q: QAExample, system: str, k: int, result: dict) -> dict:
@@ -241,7 +248,7 @@ def judged_answers(answers: list[dict], benchmarks: list[Benchmark], judge_limit
     benchmark (the same questions for every system and k, so comparisons stay paired)."""
     if judge_limit is None:
         return answers
-    keep = set()
+    keep: set = set()
     for b in benchmarks:
         chosen = random.Random(f"judge-{seed}-{b.name}").sample(b.questions, min(judge_limit, len(b.questions)))
         keep.update((b.name, q.id) for q in chosen)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from cachegraft_cli.evaluation.metrics import mean
 from cachegraft_cli.evaluation.stats import ALPHA, bootstrap_ci, cohen_kappa, holm, paired_comparison, rank_auc
+from cachegraft_cli.evaluation.variants import BEST_TEXT, base_system
 
 COMPARISON_PAIRS = (("graft", "text"), ("graft", "cache"), ("graft", "adapter"))
 EM_JUDGE = "em"
@@ -101,13 +102,38 @@ def _verdict_table(answers: list[dict], verdicts: list[dict]) -> dict[tuple, dic
     return table
 
 
+def best_text(answers: list[dict], config: dict) -> dict[tuple, str]:
+    """(benchmark, k) -> the text variant with the highest mean EM (then F1), when the run
+    answered text in more than one assembly (e.g. `text` and `text@order=retrieval`)."""
+    labels = [s for s in config["systems"] if base_system(s) == "text"]
+    if len(labels) < 2:
+        return {}
+    groups = _group([a for a in answers if a["system"] in labels], ("benchmark", "k", "system"))
+    best: dict[tuple, tuple] = {}
+    for (bench, k, label), rows in groups.items():
+        score = (mean(r["em"] for r in rows), mean(r["f1"] for r in rows), -labels.index(label))
+        if (bench, k) not in best or score > best[(bench, k)][0]:
+            best[(bench, k)] = (score, label)
+    return {key: label for key, (_, label) in best.items()}
+
+
+def _comparison_pairs(config: dict, best: dict) -> list[tuple[str, str]]:
+    pairs = [(a, b) for a, b in COMPARISON_PAIRS if a in config["systems"] and b in config["systems"]]
+    return pairs + ([("graft", BEST_TEXT)] if best and "graft" in config["systems"] else [])
+
+
 def comparisons(answers: list[dict], verdicts: list[dict], config: dict) -> list[dict]:
-    """Per (pair, benchmark, judge, k): paired test; Holm within each pair's family."""
+    """Per (pair, benchmark, judge, k): paired test; Holm within each pair's family.
+    `text (best order)` stands for the best text variant of each (benchmark, k)."""
     table = _verdict_table(answers, verdicts)
+    best = best_text(answers, config)
+    for (bench, k), label in best.items():
+        for judge in judge_labels(config):
+            table[(bench, BEST_TEXT, k, judge)] = table.get((bench, label, k, judge), {})
     out = []
-    for a, b in COMPARISON_PAIRS:
-        family = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
-        family = [c for c in family if c is not None]
+    for a, b in _comparison_pairs(config, best):
+        compared = [_compare(table, a, b, key, config) for key in _comparison_keys(config, a, b)]
+        family = [c for c in compared if c is not None]
         for c, p_holm in zip(family, holm([c["p_value"] for c in family])):
             c.update(p_holm=p_holm, significant=_sig(c, c["p_value"]), significant_holm=_sig(c, p_holm))
         out += family
@@ -123,8 +149,6 @@ def judge_labels(config: dict) -> list[str]:
 
 
 def _comparison_keys(config: dict, a: str, b: str) -> list[tuple]:
-    if a not in config["systems"] or b not in config["systems"]:
-        return []
     return [(bench["name"], judge, k) for bench in config["benchmarks"]
             for judge in judge_labels(config) for k in config["ks"]]
 
@@ -142,7 +166,7 @@ def _compare(table: dict, a: str, b: str, key: tuple, config: dict) -> dict | No
 
 def headlines(comparison_rows: list[dict]) -> dict[str, str]:
     out = {}
-    for a, b in COMPARISON_PAIRS:
+    for a, b in dict.fromkeys((c["a"], c["b"]) for c in comparison_rows):
         rows = [c for c in comparison_rows if c["a"] == a and c["b"] == b]
         if rows:
             better = sum(c["mean_diff"] > 0 for c in rows)
@@ -176,6 +200,8 @@ def summarize(config: dict, answers: list[dict], verdicts: list[dict], pairs: li
     order = _config_order(config)
     return clean({
         "headlines": headlines(rows),
+        "best_text": [{"benchmark": b, "k": k, "system": label}
+                      for (b, k), label in sorted(best_text(answers, config).items())],
         "systems": sorted(system_scores(answers, config), key=order),
         "judge_scores": sorted(judge_scores(verdicts, config), key=lambda r: (order(r), r["judge"])),
         "judge_agreement": judge_agreement(answers, verdicts),

@@ -28,7 +28,6 @@ def place_fuser(fuser, device):
     import torch
 
     from cachegraft_cli.models import cpu_has_fast_bf16
-
     from cachegraft_cli.onednn import route_linears
 
     slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
@@ -84,7 +83,7 @@ def _hub_fuser_dir(repo: str, subfolder: str) -> Path:
     patterns = [f"{subfolder}/*", f"{subfolder}/final/*"] if subfolder else None
     try:
         root = Path(snapshot_download(repo_id=repo, allow_patterns=patterns))
-    except Exception as exc:  # huggingface_hub raises many kinds: offline, 404, connection, auth
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises many kinds: offline, 404, connection, auth
         raise HubUnreachableError(
             f"Could not get fuser {repo}{':' + subfolder if subfolder else ''} from the Hugging Face hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",

@@ -75,7 +75,8 @@ def save_published(fuser: Fuser, path: str | Path) -> None:
 def _spec_from_recipe(recipe: dict, layer_map) -> FuserSpec:
     model = recipe.get("model", {})
     if "base_model" not in model or "teacher_model" not in model:
-        raise CheckpointError("config.json lacks model.base_model / model.teacher_model.", "Is this a C2C fuser folder?")
+        raise CheckpointError("config.json lacks model.base_model / model.teacher_model.", "Is this a C2C fuser "
+                                                                                           "folder?")
     return FuserSpec(
         receiver=model["base_model"],
         sharer=model["teacher_model"],
@@ -115,14 +116,17 @@ def _recipe(fuser: Fuser) -> dict:
 def _projector_args(file: Path) -> ProjectorArgs:
     meta = _read_json(file)
     if meta.get("class") != "C2CProjector":
-        raise CheckpointError(f"{file}: projector class {meta.get('class')!r} is not supported.", "Only C2CProjector fusers load.")
+        raise CheckpointError(f"{file}: projector class {meta.get('class')!r} is not supported.", "Only C2CProjector "
+                                                                                                  "fusers load.")
     init = dict(meta.get("init_args", {}))
     dtype = init.get("dtype", "float32")
     init["dtype"] = dtype["value"] if isinstance(dtype, dict) else str(dtype).removeprefix("torch.")
     try:
         return ProjectorArgs(**init)
     except TypeError as exc:
-        raise CheckpointError(f"{file}: bad init_args ({exc}).", "The file does not match the C2CProjector layout.") from None
+        raise CheckpointError(
+            f"{file}: bad init_args ({exc}).", "The file does not match the C2CProjector layout."
+        ) from None
 
 
 def _torch_load(file: Path) -> dict:
@@ -130,7 +134,7 @@ def _torch_load(file: Path) -> dict:
         raise CheckpointError(f"{file} is missing.", "The checkpoint is incomplete: download or copy it again.")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for unsafe or broken files
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for unsafe or broken files
         raise CheckpointError(
             f"{file} is not a plain tensor state dict ({type(exc).__name__}); refusing to unpickle it.",
             "Only load fusers from sources you trust; re-save the weights as a plain state dict.",
@@ -157,7 +161,9 @@ def _load_strict(module: torch.nn.Module, state: dict, file: Path) -> None:
     module.load_state_dict(state, strict=True)
 
 
-_LAYOUT_HINT = "The weights do not match the projector described by its JSON; the checkpoint is damaged or of another kind."
+_LAYOUT_HINT = (
+    "The weights do not match the projector described by its JSON; the checkpoint is damaged or of another kind."
+)
 
 
 # ---- own layout -------------------------------------------------------------
@@ -216,7 +222,9 @@ def _read_json(file: Path) -> dict:
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing.", "The checkpoint is incomplete: download or copy it again.") from None
+        raise CheckpointError(
+            f"{file} is missing.", "The checkpoint is incomplete: download or copy it again."
+        ) from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is not valid JSON ({exc}).", "The checkpoint is damaged.") from None
 

@@ -4,7 +4,9 @@ the alignment settings, for one (receiver, sharer) pair."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 from torch import nn
@@ -27,11 +29,27 @@ class FuserSpec:
     sharer_input: str = "model"
 
 
+class ProjectorList(nn.ModuleList):
+    """`nn.ModuleList` of `C2CProjector`s, typed as such (a plain one yields `nn.Module`s)."""
+
+    @overload
+    def __getitem__(self, idx: slice) -> ProjectorList: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> C2CProjector: ...
+
+    def __getitem__(self, idx: int | slice) -> C2CProjector | ProjectorList:
+        return super().__getitem__(idx)  # type: ignore[return-value]  # holds C2CProjectors only
+
+    def __iter__(self) -> Iterator[C2CProjector]:
+        return super().__iter__()  # type: ignore[return-value]
+
+
 class Fuser(nn.Module):
     def __init__(self, spec: FuserSpec, projector_args: list[ProjectorArgs]):
         super().__init__()
         self.spec = spec
-        self.projectors = nn.ModuleList(C2CProjector(a) for a in projector_args)
+        self.projectors = ProjectorList(C2CProjector(a) for a in projector_args)
 
     @classmethod
     def create(
@@ -85,7 +103,12 @@ class Fuser(nn.Module):
 
     def gate_states(self) -> list[dict]:
         return [
-            {"projector": i, **p.gates(), "key_logit": float(p.key_gate_logit.detach()), "value_logit": float(p.value_gate_logit.detach())}
+            {
+                "projector": i,
+                **p.gates(),
+                "key_logit": float(p.key_gate_logit.detach()),
+                "value_logit": float(p.value_gate_logit.detach()),
+            }
             for i, p in enumerate(self.projectors)
         ]
 

@@ -1,4 +1,4 @@
-"""The C2C projector for one receiver layer (DESIGN.md section 3), parameter
+"""The C2C projector for one receiver layer (docs/method.md section 1), parameter
 names identical to the published checkpoints."""
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ class C2CProjector(nn.Module):
     Attribute names give the published state-dict keys (`key_in.weight`,
     `value_proj_mlp2.blocks.0.w1.weight`, `key_gate_logit`, ...).
     """
+
+    args: ProjectorArgs
+    key_gate_logit: nn.Parameter
+    value_gate_logit: nn.Parameter
+    gate_temperature: torch.Tensor  # a buffer
 
     def __init__(self, args: ProjectorArgs):
         super().__init__()

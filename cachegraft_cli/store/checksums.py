@@ -23,7 +23,7 @@ def empty(kinds: list[str], components: list[Component]) -> dict:
 def _le_bytes(rows: np.ndarray) -> memoryview:
     if rows.dtype.byteorder == ">" or (rows.dtype.byteorder == "=" and np.little_endian is False):
         rows = rows.astype(rows.dtype.newbyteorder("<"))
-    return memoryview(np.ascontiguousarray(rows)).cast("B")
+    return np.ascontiguousarray(rows).data.cast("B")
 
 
 def feed(spans: list[tuple[int, int]], crcs: list[dict], kind: str, components: list[Component],

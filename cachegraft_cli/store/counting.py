@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from zarr.storage import WrapperStore
 
-
 _META_NAMES = {"zarr.json", ".zarray", ".zattrs", ".zgroup"}
 
 

@@ -18,7 +18,8 @@ def unreadable_passages(store, ids: list[str], kind: str, cause: BaseException) 
     bad = [pid for pid in unique if _fails_alone(store, pid, kind)] if len(unique) > 1 else unique
     named = bad or unique
     text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-    why = "a chunk fails its crc32c" if "checksum" in text.lower() else f"a chunk does not decode: {text[:100].rstrip('.')}"
+    why = ("a chunk fails its crc32c" if "checksum" in text.lower()
+           else f"a chunk does not decode: {text[:100].rstrip('.')}")
     return corrupt_error(store, named, kind, why)
 
 
@@ -27,7 +28,8 @@ def corrupt_error(store, ids: list[str], kind: str, why: str) -> StoreCorruptErr
     shown = ", ".join(repr(p) for p in ids[:_SHOWN]) + (f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else "")
     what = "passage" if len(ids) == 1 else "passages"
     return StoreCorruptError(
-        f"{what} {shown} in segment {', '.join(segments) or '?'} of {store.loc.url}: the {kind} cache is damaged ({why}).",
+        f"{what} {shown} in segment {', '.join(segments) or '?'} of {store.loc.url}: the {kind} cache is damaged "
+        f"({why}).",
         hint=f"Run `cachegraft store repair {store.loc.url}` to drop them (add --reencode to encode them again), "
         "then `cachegraft index --store` it.")
 

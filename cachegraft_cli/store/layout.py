@@ -85,8 +85,12 @@ def zarr_compressors(spec: dict, dtype: str) -> list:
         return [ZstdCodec(level=spec.get("level", 3)), Crc32cCodec()]
     if spec["name"] == "blosc":
         size = np.dtype(dtype).itemsize
-        return [BloscCodec(cname=spec["cname"], clevel=spec["clevel"], shuffle=spec.get("shuffle", "shuffle"), typesize=size),
-                Crc32cCodec()]
+        return [
+            BloscCodec(
+                cname=spec["cname"], clevel=spec["clevel"], shuffle=spec.get("shuffle", "shuffle"), typesize=size
+            ),
+            Crc32cCodec(),
+        ]
     if spec["name"] == "none":
         return [Crc32cCodec()]
     raise ValueError(f"unknown compressor {spec!r}")

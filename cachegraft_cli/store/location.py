@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+_LISTED_REMOTELY = ("s3", "s3a", "gs", "gcs")  # object stores whose fsspec filesystems cache listings
+
 
 @dataclass
 class Location:
@@ -32,9 +34,13 @@ class Location:
         text = os.fspath(url)
         if "://" not in text:
             text = str(Path(text).expanduser().resolve())
-        fs, root = url_to_fs(text, **(storage_options or {}))
+        options = dict(storage_options or {})
+        if text.split("://", 1)[0] in _LISTED_REMOTELY:
+            # other processes (parallel workers, compaction) add and delete files: never answer from old listings
+            options.setdefault("use_listings_cache", False)
+        fs, root = url_to_fs(text, **options)
         local = isinstance(fs, LocalFileSystem)
-        return cls(redact(text), fs, root.rstrip("/"), local, dict(storage_options or {}), raw_url=text)
+        return cls(redact(text), fs, root.rstrip("/"), local, options, raw_url=text)
 
     def path(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -64,7 +70,9 @@ class Location:
         self.fs.pipe_file(self.path(rel), data)
 
     def write_json_atomic(self, rel: str, obj: Any, compact: bool = False) -> None:
-        data = json.dumps(obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})).encode()
+        data = json.dumps(
+            obj, ensure_ascii=False, **({"separators": (",", ":")} if compact else {"indent": 1})
+        ).encode()
         self.write_bytes_atomic(rel, data)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from typing import IO
 
 from cachegraft_cli.errors import StoreError, StoreLockedError
 from cachegraft_cli.store.layout import LOCK, now_iso
@@ -28,7 +29,8 @@ def _locked_error(loc: Location, holder: dict | None) -> StoreLockedError:
         who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
     return StoreLockedError(
         f"store {loc.url} is being written by {who}.",
-        hint=f"Wait for that writer to finish; if it is dead, remove the lock with `cachegraft store unlock {loc.url}`.",
+        hint="Wait for that writer to finish; if it is dead, remove the lock with `cachegraft store unlock "
+             f"{loc.url}`.",
     )
 
 
@@ -46,7 +48,7 @@ class WriterLock:
         self.loc = loc
         self.name = name
         self.info = holder_info(run_info)
-        self._fh = None
+        self._fh: IO[bytes] | None = None
 
     def __enter__(self):
         return self

@@ -16,8 +16,9 @@ from cachegraft_cli.store.layout import ROOT_META
 from cachegraft_cli.store.location import Location
 
 
-def check_target(url, codec: str, kinds: tuple[str, ...], storage_options: dict | None = None) -> None:
-    """Raise a typed error for a target `encode` cannot write into; pass for a new or fitting store."""
+def check_target(url, codec: str | None, kinds: tuple[str, ...], storage_options: dict | None = None) -> None:
+    """Raise a typed error for a target `encode` cannot write into; pass for a new or fitting store.
+    `codec` None: whatever the store has (an append with the store's own settings)."""
     from cachegraft_cli.store.store import half_created, read_meta
 
     loc = Location.from_url(url, storage_options)
@@ -28,7 +29,7 @@ def check_target(url, codec: str, kinds: tuple[str, ...], storage_options: dict 
     except StoreNotFoundError:
         return  # nothing there yet, or a creation that was killed: encode makes it
     stored = meta["identity"].get("codec")
-    if stored != codec:
+    if codec is not None and stored != codec:
         raise StoreMismatchError(f"store {loc.url} was made with codec={stored!r}, but codec={codec!r} was requested.",
                                  hint=f"Use --codec {stored}, or another --store.")
     if not set(kinds) <= set(meta.get("kinds", ())):

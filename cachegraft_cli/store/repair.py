@@ -3,13 +3,19 @@
 `recover` (every writer, under the lock): delete uncommitted segments no
 manifest lists, then add committed ones that no manifest lists (a writer killed
 between its commit record and the manifest) when none of their ids is in the
-store yet: roll forward, never delete a committed segment.
+store yet: roll forward. A committed segment is deleted only when the store
+holds all of it already (every row's id with the same content hash: a
+compaction killed before its swap), when a repair replaced it, or when it is a
+parallel job's worker segment its driver never listed (`store.parallel`); one
+that overlaps the store otherwise is left for `repair`.
+Segments compaction retired (`manifest["retired"]`) are never touched: readers
+of an older manifest use them until their grace period ends.
 
 `repair` (on request, under the lock):
   1. a missing or unreadable manifest is rebuilt from the segments' commit records;
   2. listed segments whose row table cannot be read are dropped from the manifest;
-  3. `recover`; committed orphans that a listed segment supersedes entirely, or
-     that a repair replaced (`run_info.repaired_from`), are deleted;
+  3. `recover` (committed orphans adopted, or deleted when superseded or replaced
+     by an earlier repair: `run_info.repaired_from`);
   4. `verify`; every segment with damaged rows, or with rows shadowed by a later
      row of the same id, is replaced by a copy without them: its arrays are
      copied file by file (so the kept caches stay bit-identical) under a new
@@ -27,8 +33,17 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store import segments
-from cachegraft_cli.store.layout import COMMIT, CONTENT, MANIFEST, new_segment_name, now_iso, segment_dir, segment_file
-from cachegraft_cli.store.layout import rows_file as layout_rows_file
+from cachegraft_cli.store.compact import token_extent
+from cachegraft_cli.store.layout import (
+    COMMIT,
+    CONTENT,
+    MANIFEST,
+    new_segment_name,
+    now_iso,
+    rows_file as layout_rows_file,
+    segment_dir,
+    segment_file,
+)
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
 
@@ -39,23 +54,44 @@ TOOL = "cachegraft store repair"
 
 
 def recover(store) -> dict:
-    """Under the writer lock: garbage out, committed orphans in, the snapshot up to date."""
+    """Under the writer lock: garbage out, committed orphans in (or out when the store holds
+    them already), the snapshot up to date."""
     removed = segments.collect_garbage(store.loc)
     store.refresh()
-    adopted = []
+    adopted, retired = [], []
+    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in store.segments}
     for name in orphans(store):
         entry, table = _read_committed(store.loc, name, store.rows_file)
-        if entry is None or table is None or any(pid in store for pid in table.ids):
-            continue  # unreadable, or overlapping what is stored: left for `repair` to judge
-        segments.append_to_manifest(store.loc, entry)
-        store.refresh()
-        adopted.append(name)
-    return {"removed": removed, "adopted": adopted}
+        if entry is None or table is None:
+            continue  # unreadable: left for `repair` to judge
+        if name in replaced or _unlisted_by_driver(entry) or _superseded(store, table):
+            segments.delete_segment(store.loc, name)
+            retired.append(name)
+        elif not any(pid in store for pid in table.ids):
+            segments.append_to_manifest(store.loc, entry)
+            store.refresh()
+            adopted.append(name)
+    return {"removed": removed, "adopted": adopted, "retired": retired}
+
+
+def _unlisted_by_driver(entry: dict) -> bool:
+    """A parallel job's worker segment (`store.parallel`): committed only when its driver lists
+    it. Found unlisted under the lock, its job is over; a re-run encodes it again in plan order."""
+    from cachegraft_cli.store.parallel import LISTED_BY
+
+    return (entry.get("run_info") or {}).get("listed_by") == LISTED_BY
+
+
+def _superseded(store, table: SegmentTable) -> bool:
+    """Whether the store holds every row of `table` already: the same (id, content hash) in a listed
+    segment, as the current row or one a later row replaces (compaction merges both, in order)."""
+    held = {(pid, t.content_hash(i)) for t in store.tables for i, pid in enumerate(t.ids)}
+    return all((pid, table.content_hash(i)) in held for i, pid in enumerate(table.ids))
 
 
 def orphans(store) -> list[str]:
-    """Committed segments the manifest does not list, oldest first."""
-    return segments.committed_segments(store.loc, skip={e["name"] for e in store.segments})
+    """Committed segments the manifest neither lists nor keeps as retired, oldest first."""
+    return segments.committed_segments(store.loc, skip=segments.listed_names(segments.load_manifest(store.loc)))
 
 
 def _read_committed(loc: Location, name: str, rows_file: str) -> tuple[dict | None, SegmentTable | None]:
@@ -107,8 +143,8 @@ def repair(url, storage_options: dict | None = None, lock=None) -> RepairReport:
         report.manifest = _check_manifest(loc, rows_file)
         report.unreadable = _drop_unreadable(loc, rows_file)
         store = CacheStore.open(url, storage_options=storage_options)
-        report.adopted = recover(store)["adopted"]
-        report.retired = _retire(store)
+        recovered = recover(store)
+        report.adopted, report.retired = recovered["adopted"], recovered["retired"]
         _drop_damaged(store, report)
         final = CacheStore.open(url, storage_options=storage_options).verify()
         report.ok, report.problems_left = final["ok"], final["problems"]
@@ -129,14 +165,21 @@ def _check_manifest(loc: Location, rows_file: str) -> str:
 
 def rebuild_manifest(loc: Location, rows_file: str) -> int:
     """A new manifest listing every readable committed segment in commit order, except
-    segments a repair replaced. Returns how many it lists."""
+    segments a repair replaced or a compaction merged (those are kept as retired, for the
+    grace period, as compaction keeps them). Returns how many it lists."""
     found = [(name, *_read_committed(loc, name, rows_file)) for name in segments.committed_segments(loc)]
     entries = [entry for _, entry, _ in found if entry is not None]
     replaced = {(e.get("run_info") or {}).get("repaired_from") for e in entries}
-    entries = sorted((e for e in entries if e["name"] not in replaced), key=lambda e: (str(e.get("committed")), e["name"]))
-    manifest = {**segments.empty_manifest(), "generation": 1, "segments": entries}
+    merged = {name for e in entries for name in (e.get("run_info") or {}).get("merged", [])}
+    listed = sorted((e for e in entries if e["name"] not in replaced | merged),
+                    key=lambda e: (str(e.get("committed")), e["name"]))
+    stamp = now_iso()
+    retired = [{"name": e["name"], "retired": stamp} for e in entries if e["name"] in merged - replaced]
+    manifest = {**segments.empty_manifest(), "generation": 1, "segments": listed}
+    if retired:
+        manifest["retired"] = retired
     loc.write_json_atomic(MANIFEST, manifest)
-    return len(entries)
+    return len(listed)
 
 
 def _drop_unreadable(loc: Location, rows_file: str) -> list[str]:
@@ -151,20 +194,6 @@ def _drop_unreadable(loc: Location, rows_file: str) -> list[str]:
     if bad:
         _replace_entries(loc, {name: None for name in bad})
     return bad
-
-
-def _retire(store) -> list[str]:
-    """Delete committed orphans that hold nothing the store lacks, or that a repair replaced."""
-    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in store.segments}
-    hashes = store.content_hashes()
-    retired = []
-    for name in orphans(store):
-        _, table = _read_committed(store.loc, name, store.rows_file)
-        superseded = table is not None and all(hashes.get(pid) == table.content_hash(i) for i, pid in enumerate(table.ids))
-        if name in replaced or superseded:
-            _delete_segment(store.loc, name)
-            retired.append(name)
-    return retired
 
 
 def _drop_damaged(store, report: RepairReport) -> None:
@@ -187,7 +216,7 @@ def _drop_damaged(store, report: RepairReport) -> None:
         replacements[seg] = _rewrite_without(store, table, set(reasons), kept)
     _replace_entries(store.loc, replacements)
     for seg in replacements:
-        _delete_segment(store.loc, seg)
+        segments.delete_segment(store.loc, seg)
     report.rewritten = {seg: (e["name"] if e else None) for seg, e in replacements.items()}
 
 
@@ -231,6 +260,7 @@ def _rewrite_without(store, table: SegmentTable, drop: set[int], rows: list[Pass
     loc.write_json_atomic(segment_file(new, CONTENT), {"columns": content}, compact=True)
     before = next(e for e in store.segments if e["name"] == old)
     entry = {**before, "name": new, "rows": len(keep), "committed": now_iso(),
+             "tokens": int(sub.tokens.sum()), "token_extent": token_extent(before),  # the arrays, gaps and all
              "bytes": {k: loc.size(f"{segment_dir(new)}/{k}") for k in store.kinds},
              "run_info": {"tool": TOOL, "repaired_from": old, "dropped": len(drop)}}
     loc.write_json_atomic(segment_file(new, COMMIT), entry)
@@ -263,12 +293,6 @@ def _replace_entries(loc: Location, replacements: dict[str, dict | None]) -> Non
             entries.append(replacements[entry["name"]])
     manifest.update(segments=entries, generation=int(manifest.get("generation", 0)) + 1, updated=now_iso())
     loc.write_json_atomic(MANIFEST, manifest)
-
-
-def _delete_segment(loc: Location, name: str) -> None:
-    """Commit record first: a deletion cut short leaves an uncommitted segment, which is garbage."""
-    loc.remove(segment_file(name, COMMIT))
-    loc.remove(segment_dir(name))
 
 
 def describe(report: RepairReport) -> list[str]:

@@ -87,7 +87,7 @@ class SegmentTable:
 
     def row(self, i: int) -> PassageRow:
         chunk = int(self.chunk_index[i])
-        fields = dict(id=self.ids[i], content_hash=self.content_hash(i), tokens=int(self.tokens[i]),
+        fields: dict[str, Any] = dict(id=self.ids[i], content_hash=self.content_hash(i), tokens=int(self.tokens[i]),
                       offset=int(self.offsets[i]), parent_id=self.parents[i], chunk_index=None if chunk < 0 else chunk)
         if self.content is not None:
             fields.update({name: self.content[name][i] for name in CONTENT_COLUMNS})

@@ -6,9 +6,21 @@ import json
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store.codecs import Component
-from cachegraft_cli.store.layout import COMMIT, CONTENT, FORMAT_VERSION, MANIFEST, ROWS, SEGMENTS, is_temp, now_iso, segment_dir, segment_file, zarr_compressors
+from cachegraft_cli.store.layout import (
+    COMMIT,
+    CONTENT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ROWS,
+    SEGMENTS,
+    is_temp,
+    now_iso,
+    segment_dir,
+    segment_file,
+    zarr_compressors,
+)
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_json, table_to_bin
+from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_bin, table_to_json
 
 
 def empty_manifest() -> dict:
@@ -23,8 +35,9 @@ def load_manifest(loc: Location) -> dict:
     except FileNotFoundError:
         committed = committed_segments(loc)
         if committed:
-            raise StoreCorruptError(f"{loc.url}/{MANIFEST} is missing, but {len(committed)} committed segments are on disk.",
-                                    hint=_REPAIR_HINT.format(url=loc.url)) from None
+            raise StoreCorruptError(
+                f"{loc.url}/{MANIFEST} is missing, but {len(committed)} committed segments are on disk.",
+                hint=_REPAIR_HINT.format(url=loc.url)) from None
         return empty_manifest()
     except ValueError as exc:
         raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
@@ -52,6 +65,12 @@ def committed_segments(loc: Location, skip: set[str] | frozenset = frozenset()) 
             if name != "zarr.json" and name not in skip and loc.exists(segment_file(name, COMMIT))]
 
 
+def listed_names(manifest: dict) -> set[str]:
+    """Segments the manifest names: listed ones, and those compaction retired (kept for readers
+    that opened an older manifest until their grace period ends)."""
+    return {s["name"] for s in manifest["segments"] + manifest.get("retired", [])}
+
+
 def append_to_manifest(loc: Location, entry: dict) -> dict:
     """Re-read under the writer lock, add one segment, replace atomically. O(segments)."""
     manifest = load_manifest(loc)
@@ -66,10 +85,12 @@ def collect_garbage(loc: Location) -> list[str]:
     """Delete uncommitted segments no manifest lists (left by killed or aborted writers) and temp files.
 
     A segment with a commit record is never deleted here, listed or not: it is
-    complete, and `store.repair` adopts or retires it. Only called while holding
-    the writer lock, so nothing else is writing.
+    complete, and `store.repair.recover` adopts it or deletes it once the store
+    holds all of it. Segments compaction retired stay until their grace period
+    ends (older readers use them). Only called while holding the writer lock, so
+    nothing else is writing.
     """
-    listed = {s["name"] for s in load_manifest(loc)["segments"]}
+    listed = listed_names(load_manifest(loc))
     removed = [name for name in loc.list_names(SEGMENTS) if name not in listed and name != "zarr.json"
                and not loc.exists(segment_file(name, COMMIT))]
     for name in removed:
@@ -78,6 +99,13 @@ def collect_garbage(loc: Location) -> list[str]:
         if is_temp(name):
             loc.remove(name)
     return removed
+
+
+def delete_segment(loc: Location, name: str) -> None:
+    """Commit record first: a deletion cut short leaves an uncommitted segment, which is garbage."""
+    if loc.exists(segment_file(name, COMMIT)):
+        loc.remove(segment_file(name, COMMIT))
+    loc.remove(segment_dir(name))
 
 
 def load_tables(loc: Location, names: list[str], file: str) -> list[SegmentTable]:
@@ -121,6 +149,7 @@ def compressor_for(spec: dict, dtype: str) -> dict:
 def create_array(store, path: str, comp: Component):
     """Metadata only (shape 0); the writer writes whole shards itself and resizes at commit."""
     import zarr
+    from zarr.core.array_spec import ArrayConfigParams
 
     rows_per_chunk, rows_per_shard = chunk_rows(store, comp)
     return zarr.create_array(
@@ -133,7 +162,7 @@ def create_array(store, path: str, comp: Component):
         compressors=zarr_compressors(compressor_for(store.compressor, comp.dtype), comp.dtype),
         fill_value=0,
         overwrite=True,
-        config={"write_empty_chunks": True},
+        config=ArrayConfigParams(write_empty_chunks=True),
     )
 
 

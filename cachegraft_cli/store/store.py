@@ -13,8 +13,16 @@ from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
-    DEFAULT_CHUNK_TOKENS, DEFAULT_COMPRESSOR, FORMAT_VERSION, PREFIX, ROOT_META, array_path, default_shard_tokens, is_temp,
-    now_iso, rows_file,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_COMPRESSOR,
+    FORMAT_VERSION,
+    PREFIX,
+    ROOT_META,
+    array_path,
+    default_shard_tokens,
+    is_temp,
+    now_iso,
+    rows_file,
 )
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
@@ -44,7 +52,7 @@ class CacheStore:
         self.rows_file = rows_file(meta.get("format_version", 1))
         names = [s["name"] for s in manifest["segments"]]
         for entry, table in zip(manifest["segments"], segments.load_tables(loc, names, self.rows_file)):
-            self._adopt(entry, table)
+            self.adopt(entry, table)
 
     # -- create / open ----------------------------------------------------------
 
@@ -85,12 +93,17 @@ class CacheStore:
             return self
         new = manifest["segments"][len(mine):]
         for entry, table in zip(new, segments.load_tables(self.loc, [e["name"] for e in new], self.rows_file)):
-            self._adopt(entry, table)
+            self.adopt(entry, table)
         return self
+
+    @staticmethod
+    def check_exists(url, storage_options: dict | None = None) -> dict:
+        """The store's metadata, read without opening its segments; StoreNotFoundError (with its hint) if none."""
+        return read_meta(Location.from_url(url, storage_options))
 
     # -- passages ---------------------------------------------------------------
 
-    def _adopt(self, entry: dict, table: SegmentTable) -> None:
+    def adopt(self, entry: dict, table: SegmentTable) -> None:
         """Add one committed segment to this snapshot (on open, and after our own commit)."""
         base = self._bases[-1] + len(self._tables[-1]) if self._tables else 0
         self._entries.append(entry)
@@ -151,7 +164,7 @@ class CacheStore:
 
     @property
     def tables(self) -> list[SegmentTable]:
-        """The row table of each committed segment, in manifest order."""
+        """The row tables of the committed segments, in segment order (read-only use)."""
         return list(self._tables)
 
     @property
@@ -182,7 +195,7 @@ class CacheStore:
         found = [self._locate(pid) for pid in ids]
         comps = self.codec.components()
         spans = [self._tables[ti].span(ri) for ti, ri in found]
-        requests = [(self._array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+        requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
                     for (ti, _), span in zip(found, spans) for c in comps]
         try:
             flat = _read_ranges(requests)
@@ -210,10 +223,7 @@ class CacheStore:
         return self._tables[self._locate(passage_id)[0]].segment
 
     def array(self, segment: str, kind: str, part: str):
-        """The (read-only) zarr array of one part of a segment's caches."""
-        return self._array(segment, kind, part)
-
-    def _array(self, segment: str, kind: str, part: str):
+        """The zarr array of one segment's cache part (opened once, read lazily)."""
         key = (segment, kind, part)
         if key not in self._arrays:
             self._arrays[key] = segments.open_array(self.zarr_store(), array_path(segment, kind, part))
@@ -261,8 +271,10 @@ def read_meta(loc: Location) -> dict:
     try:
         root = loc.read_json(ROOT_META)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"no cache store at {loc.url}.",
-                                 hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.") from None
+        raise StoreNotFoundError(
+            f"no cache store at {loc.url}.",
+            hint=f"Run `cachegraft encode CORPUS --store {loc.url}` first, or check the path.",
+        ) from None
     except (NotADirectoryError, IsADirectoryError, ValueError):
         raise StoreError(f"{loc.url} is not a cache store (it is a file, or its zarr.json is not JSON).",
                          hint="Point --store at a directory made by `cachegraft encode`.") from None
@@ -325,9 +337,12 @@ def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params
     codec = get_codec(ident["codec"], ident["geometry"], codec_params)
     strides = [c.stride for c in codec.components()] + [chunk]
     step = math.lcm(*strides)  # a default shard must hold whole token groups too (int4 key groups)
-    shard = int(shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step)
+    shard = int(
+        shard_tokens or -(-default_shard_tokens(raw_bf16_bytes_per_token(ident["geometry"]), chunk) // step) * step
+    )
     if chunk < 1 or any(shard % s for s in strides):
-        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group {strides}.")
+        raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group "
+                         f"{strides}.")
     return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
             "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
             "created": now_iso()}

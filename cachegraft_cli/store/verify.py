@@ -47,12 +47,18 @@ def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing", "commit_missing"))
-    ends = table.offsets + table.tokens
-    ordered = bool(np.all(table.tokens > 0)) and bool(np.all(table.offsets[1:] >= ends[:-1])) if len(table) else True
-    inside = not len(table) or (int(table.offsets[0]) >= 0 and int(ends[-1]) <= entry["tokens"])
-    if not (ordered and inside):  # rows in token order, not overlapping (a repaired segment may have gaps)
-        out.append(_problem(table, None, None, None, f"{store.rows_file} offsets overlap or leave the segment's tokens",
-                            "offsets"))
+    if "token_extent" in entry:  # compacted or repaired: rows in token order, gaps between them allowed
+        ends = table.offsets + table.tokens
+        ordered = bool(np.all(table.tokens > 0)) and not np.any(table.offsets[1:] < ends[:-1])
+        inside = not len(table) or (int(table.offsets[0]) >= 0 and int(ends[-1]) <= entry["token_extent"])
+        if not (ordered and inside) or int(table.tokens.sum()) != entry["tokens"]:
+            out.append(_problem(table, None, None, None,
+                                f"{store.rows_file} offsets overlap or leave the segment's tokens", "offsets"))
+    else:
+        offsets = np.concatenate([[0], np.cumsum(table.tokens)])
+        if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
+            out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens",
+                                "offsets"))
     if len(table) != entry["rows"]:
         out.append(_problem(table, None, None, None,
                             f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}", "rows_mismatch"))
@@ -74,7 +80,7 @@ def _check_content(store, table) -> list[dict]:
 
 def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
-    tokens = int((table.offsets + table.tokens).max()) if len(table) else 0
+    tokens = int((table.offsets + table.tokens).max()) if len(table) else 0  # gaps included (compacted int4, repaired)
     try:
         arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report
@@ -151,7 +157,9 @@ def _mark(table, spans, kind, comp, tokens, text, damaged, code) -> None:
 
 
 def _duplicates(tables) -> list[dict]:
-    """Rows whose id a later row has again (encode never writes that; two writers racing did).
+    """Rows that a later row of the same id and the same content hash shadows: the same passage
+    stored twice (encode never writes that; two writers racing did). A later row with other
+    content is a replacement written on purpose (`StoreWriter.add` of an id again), not damage.
     The later row is what readers see; the shadowed ones are the problems."""
     latest = {pid: (t, i) for t, table in enumerate(tables) for i, pid in enumerate(table.ids)}
     if len(latest) == sum(len(t) for t in tables):
@@ -160,7 +168,8 @@ def _duplicates(tables) -> list[dict]:
     for t, table in enumerate(tables):
         for i, pid in enumerate(table.ids):
             lt, li = latest[pid]
-            if (lt, li) != (t, i):
+            if (lt, li) != (t, i) and tables[lt].content_hash(li) == table.content_hash(i):
                 out.append(_problem(table, i, None, None,
-                                    f"duplicate id: a later row in segment {tables[lt].segment} shadows it", "duplicate"))
+                                    f"duplicate id: a later row in segment {tables[lt].segment} shadows it",
+                                    "duplicate"))
     return out

@@ -16,7 +16,15 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
-from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, new_segment_name, now_iso, segment_dir, segment_file
+from cachegraft_cli.store.layout import (
+    COMMIT,
+    CONTENT,
+    array_path,
+    new_segment_name,
+    now_iso,
+    segment_dir,
+    segment_file,
+)
 from cachegraft_cli.store.lock import WriterLock
 from cachegraft_cli.store.repair import recover
 from cachegraft_cli.store.rows import PassageRow, build_table, content_columns, content_hash_of
@@ -30,8 +38,7 @@ class StoreWriter:
         self.store = store
         self.run_info = dict(run_info or {})
         self.name = new_segment_name()
-        self._owns_lock = lock is None
-        self.lock = lock or WriterLock(store.loc, self.run_info).acquire()
+        self._given_lock, self._owns_lock = lock, lock is None
         self.closed = False
         self.rows: list[PassageRow] = []
         self.spans: list[tuple[int, int]] = []
@@ -43,11 +50,19 @@ class StoreWriter:
         self._compressors = {c.dtype: shards.numcodecs_compressor(segments.compressor_for(store.compressor, c.dtype))
                              for c in store.codec.components()}
         self._hashes: set[str] = set()
+        self.lock = self._acquire()
+
+    def _acquire(self):
+        """Hold the store's writer lock for the session (or the one the caller holds), then recover:
+        uncommitted unlisted segments out, committed ones in, the snapshot up to date."""
+        lock = self._given_lock or WriterLock(self.store.loc, self.run_info).acquire()
         try:
-            recover(store)  # garbage out, committed-but-unlisted segments in, snapshot up to date
+            recover(self.store)
         except BaseException:
-            self._release()
+            if self._owns_lock:
+                lock.release()
             raise
+        return lock
 
     # -- context manager -----------------------------------------------------
 
@@ -94,13 +109,15 @@ class StoreWriter:
         if not isinstance(row, PassageRow) or not row.id:
             raise UsageError("add() needs a PassageRow with an id.")
         if set(caches) != set(self.store.kinds):
-            raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds {sorted(self.store.kinds)}.")
+            raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds "
+                             f"{sorted(self.store.kinds)}.")
         arrays = {k: np.asarray(caches[k], dtype=np.float32) for k in self.store.kinds}
         want = self.store.token_shape
         lengths = {a.shape[0] if a.ndim == 5 else -1 for a in arrays.values()}
         for kind, a in arrays.items():
             if a.ndim != 5 or a.shape[1:] != want or a.shape[0] < 1:
-                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, {', '.join(map(str, want))}).")
+                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, "
+                                 f"{', '.join(map(str, want))}).")
         if len(lengths) != 1:
             raise UsageError(f"passage {row.id!r}: cache kinds differ in token count.")
         return arrays
@@ -140,7 +157,7 @@ class StoreWriter:
         self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)), data)
 
     def _resize_arrays(self) -> None:
-        for (kind, part), arr in self._arrays.items():
+        for (_kind, part), arr in self._arrays.items():
             comp = next(c for c in self.store.codec.components() if c.name == part)
             arr.resize((comp.rows(0, self._written)[1],) + comp.tail)
 
@@ -171,9 +188,13 @@ class StoreWriter:
         loc.write_json_atomic(segment_file(self.name, CONTENT), {"columns": content_columns(self.rows)}, compact=True)
         entry = self._entry()
         loc.write_json_atomic(segment_file(self.name, COMMIT), entry)
-        segments.append_to_manifest(loc, entry)
-        self.store._adopt(entry, table)
+        self._publish(entry, table)
         return entry
+
+    def _publish(self, entry: dict, table) -> None:
+        """List the complete segment in the manifest: from here on readers see it."""
+        segments.append_to_manifest(self.store.loc, entry)
+        self.store.adopt(entry, table)
 
     def _entry(self) -> dict:
         loc = self.store.loc

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE  # training matches what ask does by default
 from cachegraft_cli.errors import TrainingError
 
 OBJECTIVES = ("qa", "lm")
 SHARER_INPUTS = ("model", "zero")
+DISTRACTORS = ("retrieved", "random")
 
 
 @dataclass
@@ -20,7 +22,7 @@ class TrainConfig:
     sharer_input: str = "model"
     val_data: list[str] = field(default_factory=list)
     seed: int = 0
-    # fuser shape (DESIGN.md section 3); dtype of the trained weights is float32
+    # fuser shape (docs/method.md section 1); dtype of the trained weights is float32
     hidden_dim: int = 1024
     intermediate_dim: int = 1024
     num_layers: int = 3
@@ -43,7 +45,12 @@ class TrainConfig:
     max_val_items: int | None = 128
     max_passage_tokens: int = 256
     max_answer_tokens: int = 32
-    passages_per_item: int = 1  # qa: the answer's passage among this many (distractors from the same split)
+    passages_per_item: list[int] = field(default_factory=lambda: [1])  # qa: a mix of k, the answer's passage among k
+    distractors: str = "retrieved"  # the other passages: BM25's top k for the question (as ask), or random
+    order: str = DEFAULT_ORDER  # passage order in the past, as `ask --order`
+    recompute: int = DEFAULT_RECOMPUTE  # boundary tokens re-read in context, as `ask --recompute`
+    holdout: list[str] = field(default_factory=list)  # evaluate -B specs whose corpora are never trained on
+    holdout_seed: int = 0  # the --seed the holdout evaluation samples with
     lm_fused_fraction: float = 0.5
     lm_target_tokens: int = 48
     allow_eval_sets: bool = False
@@ -72,16 +79,32 @@ class TrainConfig:
         if not self.data:
             raise TrainingError("No training data given.", "Pass --data FILE (SQuAD JSON, JSONL or .txt), repeatable.")
         if self.num_layers < 2:
-            raise TrainingError("--num-layers must be at least 2 (DESIGN.md section 3).", "Use the default 3.")
+            raise TrainingError("--num-layers must be at least 2 (docs/method.md section 1).", "Use the default 3.")
         if not 0.0 <= self.val_fraction < 1.0:
             raise TrainingError(f"--val-fraction {self.val_fraction} is outside [0, 1).", "Use e.g. 0.1.")
         if self.save_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown save dtype {self.save_dtype!r}.", "Use float32 or bfloat16.")
-        if self.passages_per_item < 1 or (self.passages_per_item > 1 and self.objective != "qa"):
-            raise TrainingError(f"--passages-per-item {self.passages_per_item} needs >= 1, and > 1 only with --objective qa.",
-                                "Use e.g. --objective qa --passages-per-item 3 to train for asking at k=3.")
+        self._check_assembly()
         if self.cache_dtype not in ("float32", "bfloat16"):
             raise TrainingError(f"Unknown cache dtype {self.cache_dtype!r}.", "Use float32 or bfloat16.")
+
+    def _check_assembly(self) -> None:
+        mix = self.passages_per_item
+        if isinstance(mix, int):
+            mix = self.passages_per_item = [mix]
+        if not mix or min(mix) < 1 or (max(mix) > 1 and self.objective != "qa"):
+            raise TrainingError(f"--passages-per-item {','.join(map(str, mix))} needs values >= 1, and > 1 only with "
+                                "--objective qa.",
+                                "Use e.g. --objective qa --passages-per-item 1,3,5 to train for asking at k = 1-5.")
+        if self.distractors not in DISTRACTORS:
+            raise TrainingError(f"Unknown distractors {self.distractors!r}.", f"Use one of: {', '.join(DISTRACTORS)}.")
+        from cachegraft_cli.assembly import AssemblyOptions
+        from cachegraft_cli.errors import UsageError
+
+        try:
+            AssemblyOptions(order=self.order, recompute=self.recompute).check()
+        except UsageError as exc:
+            raise TrainingError(exc.message, exc.hint) from None
 
     def as_dict(self) -> dict:
         return asdict(self)

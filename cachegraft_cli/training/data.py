@@ -114,7 +114,9 @@ def _read_jsonl(file: Path) -> list[tuple[str, str]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            raise TrainingError(f"{file}:{n} is not valid JSON.", "Each line must be an object with a 'text' field.") from None
+            raise TrainingError(
+                f"{file}:{n} is not valid JSON.", "Each line must be an object with a 'text' field."
+            ) from None
         text = row.get("text") or row.get("context") or row.get("contents")
         if not isinstance(text, str):
             raise TrainingError(f"{file}:{n} has no 'text' field.", "Each line must be an object with a 'text' field.")

@@ -1,4 +1,4 @@
-"""The trainable fuser: exactly `Fuser.create` (DESIGN.md section 3), plus two
+"""The trainable fuser: exactly `Fuser.create` (docs/method.md section 1), plus two
 training-time devices that leave the saved architecture untouched:
 
 - the projection output (`proj_out` weight and bias) starts at zero, so step 0
@@ -22,6 +22,8 @@ from cachegraft_cli.fuser.projector import ProjectorArgs
 
 class ColumnScale(nn.Module):
     """weight -> weight * scale (per input column); `scale` is a fixed buffer."""
+
+    scale: torch.Tensor  # a buffer
 
     def __init__(self, scale: torch.Tensor):
         super().__init__()

@@ -27,7 +27,7 @@ def items_for(template, ids: dict, questions, max_answer_tokens: int = 32):
 
 def compare(receiver, bank, prefix, items, fusers: dict, batch_size: int = 4) -> dict:
     """Mean answer NLL per token for each fuser (None = the receiver's own cache)."""
-    from cachegraft_cli.training.loop import evaluate
+    from cachegraft_cli.training.validation import evaluate
 
     out = {}
     for name, fuser in fusers.items():

@@ -49,7 +49,8 @@ class Progress:
             return
         dt = max(time.perf_counter() - self.t0, 1e-9)
         self.bar.set_postfix_str(
-            f"loss {loss:.3f} | {self.items / dt:.2f} items/s {self.tokens / dt:.1f} scored tok/s | gates {gates_open}/{gates}",
+            f"loss {loss:.3f} | {self.items / dt:.2f} items/s {self.tokens / dt:.1f} scored tok/s | gates "
+            f"{gates_open}/{gates}",
             refresh=False,
         )
         self.bar.update(1)

@@ -14,6 +14,7 @@ from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.projector import ProjectorArgs
 from cachegraft_cli.training import fusermodel
 from cachegraft_cli.training.log import say
+from cachegraft_cli.training.validation import evaluate
 
 
 def cast_fuser(fuser: Fuser, dtype: str) -> Fuser:
@@ -34,8 +35,11 @@ def gate_report(fuser: Fuser, threshold: float, flip: dict | None = None) -> dic
     if weak:
         effect = ""
         if flip is not None:
-            effect = (f" Flipping all of them moves the validation NLL from {flip['val_nll']:.4f} to "
-                      f"{flip['flipped_val_nll']:.4f} ({100 * flip['relative_change']:+.2f}%): the smaller that change, the less their state matters.")
+            effect = (
+                f" Flipping all of them moves the validation NLL from {flip['val_nll']:.4f} to "
+                f"{flip['flipped_val_nll']:.4f} ({100 * flip['relative_change']:+.2f}%): the smaller that change, the "
+                "less their state matters."
+            )
         warnings.append(
             f"{weak} of {len(logits)} gate logits are within +-{threshold} of 0: their inference state (open if > 0) "
             f"is effectively random.{effect} Train longer or raise --gate-lr before shipping this fuser."
@@ -49,8 +53,6 @@ def gate_report(fuser: Fuser, threshold: float, flip: dict | None = None) -> dic
 def weak_gate_effect(trainer, fuser: Fuser, threshold: float) -> dict | None:
     """Validation NLL of the shipped fuser as saved, and with every weak gate flipped: a
     coin-flip gate is harmless when its state does not change what the receiver predicts."""
-    from cachegraft_cli.training.loop import evaluate
-
     p, c = trainer.p, trainer.c
     probe = copy.deepcopy(fuser).float().requires_grad_(False)  # one float32 copy, measured then flipped
     gates = [getattr(proj, f"{b}_gate_logit") for proj in probe.projectors for b in ("key", "value")]
@@ -77,28 +79,28 @@ def finish(trainer) -> dict:
     from cachegraft_cli.fuser.checkpoint import save_own, save_published
 
     c, s, p, out = trainer.c, trainer.state, trainer.p, Path(trainer.out)
-    if p.val_items and (s["best_step"] is None or s["best_step"] != s["step"]) and not _validated_at(trainer, s["step"]):
+    if p.val_items and (s.best_step is None or s.best_step != s.step) and not _validated_at(trainer, s.step):
         trainer.validate()
     final_val = _last_val(trainer)
     fuser = cast_fuser(shipped_fuser(trainer), c.save_dtype)
     gates = gate_report(fuser, c.gate_warn_threshold, weak_gate_effect(trainer, fuser, c.gate_warn_threshold))
-    training = {"objective": c.objective, "sharer_input": c.sharer_input, "seed": c.seed, "steps": s["step"],
-                "best_step": s["best_step"], "data": c.data}
+    training = {"objective": c.objective, "sharer_input": c.sharer_input, "seed": c.seed, "steps": s.step,
+                "best_step": s.best_step, "data": c.data}
     save_own(fuser, out, extra={"training": training})
     if c.also_published:
         save_published(fuser, out / "published")
     summary = {
-        "status": s["status"],
-        "steps": s["step"],
-        "epochs_completed": s["epoch"],
+        "status": s.status,
+        "steps": s.step,
+        "epochs_completed": s.epoch,
         "planned_steps": trainer.planned,
-        "train_seconds": round(s["train_seconds"], 1),
+        "train_seconds": round(s.train_seconds, 1),
         "precompute_seconds": round(p.precompute_seconds, 1),
         "final_train_loss": _mean(trainer.recent[-20:]),
         "final_val_nll": final_val,
-        "best_val_nll": s["best_val"],
-        "best_step": s["best_step"],
-        "closed_val_nll": s["closed_val"],
+        "best_val_nll": s.best_val,
+        "best_step": s.best_step,
+        "closed_val_nll": s.closed_val,
         "shipped": "best validation" if trainer.best is not None else "last step",
         "parameters": fusermodel.parameter_count(fuser),
         "weights_bytes": (out / "fuser.safetensors").stat().st_size,
@@ -108,7 +110,7 @@ def finish(trainer) -> dict:
         "config": c.as_dict(),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-    trainer.log.write("end", step=s["step"], status=s["status"], final_val_nll=final_val, best_val_nll=s["best_val"],
+    trainer.log.write("end", step=s.step, status=s.status, final_val_nll=final_val, best_val_nll=s.best_val,
                       gate_open=gates["open"], gate_weak=gates["weak"])
     for w in gates["warnings"]:
         say(f"warning: {w}")

@@ -32,7 +32,9 @@ def unstack(t: torch.Tensor) -> PlainKV:
 def bank_identity(receiver, sharer, template, dtype: str) -> dict:
     return {
         "receiver": receiver.identity,
-        "sharer": {**sharer.identity, "dtype": str(sharer.dtype).removeprefix("torch.")} if sharer is not None else None,
+        "sharer": {**sharer.identity, "dtype": str(sharer.dtype).removeprefix("torch.")}
+        if sharer is not None
+        else None,
         "template": template.identity(),
         "prefix_token_ids": template.prefix_ids(),
         "dtype": dtype,
@@ -50,7 +52,8 @@ class CacheBank:
         self.own: dict[str, torch.Tensor] = {}
         self.sharer: dict[str, torch.Tensor] = {}
         self.with_sharer = identity["sharer"] is not None
-        self.dir = None
+        self.dir: Path | None = None
+        self.sharer_dir: Path | None = None
         if root is not None:
             own_id = {k: v for k, v in identity.items() if k != "sharer"}
             self.dir = Path(root) / f"receiver-{_digest(own_id)}"
@@ -91,7 +94,7 @@ class CacheBank:
             from safetensors.torch import save_file
 
             save_file({"kv": self.own[key]}, str(self._file(self.dir, key)))
-            if key in self.sharer:
+            if key in self.sharer and self.sharer_dir is not None:  # a sharer cache implies a sharer dir
                 save_file({"kv": self.sharer[key]}, str(self._file(self.sharer_dir, key)))
 
     def _load(self, key: str) -> bool:
@@ -100,7 +103,7 @@ class CacheBank:
         from safetensors.torch import load_file
 
         own_file = self._file(self.dir, key)
-        sharer_file = self._file(self.sharer_dir, key) if self.with_sharer else None
+        sharer_file = self._file(self.sharer_dir, key) if self.sharer_dir is not None else None
         if not own_file.is_file() or (sharer_file is not None and not sharer_file.is_file()):
             return False
         try:
@@ -119,7 +122,7 @@ class CacheBank:
     def input_scales(self, keys: list[str], layer_map: dict) -> dict:
         """Per receiver layer, 1/RMS of the receiver and sharer K and V over `keys`
         (the fixed constants that tame the fuser's input scale)."""
-        sums = {}
+        sums: dict[tuple[int, str], list] = {}
         for key in keys:
             own, sharer = self.get(key)
             for t, pairs in layer_map.items():
@@ -133,7 +136,7 @@ class CacheBank:
                         y = sharer[s, b].float()
                         acc[1] += float((y * y).sum())
                         acc[3] += y.numel()
-        out = {}
+        out: dict = {}
         for (t, name), (ss_r, ss_s, n_r, n_s) in sums.items():
             rms_r = (ss_r / max(n_r, 1)) ** 0.5
             rms_s = (ss_s / max(n_s, 1)) ** 0.5 if n_s else 0.0

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cachegraft_cli.errors import TrainingError
-from cachegraft_cli.training import data as data_mod
-from cachegraft_cli.training import objectives
+from cachegraft_cli.training import data as data_mod, objectives
 from cachegraft_cli.training.log import say
 
 
@@ -79,11 +78,15 @@ def select_passages(config, template, dataset, val_dataset):
     if val_dataset is not None:
         ids.update({k: template.passage_ids(p.title, p.text) for k, p in val_dataset.passages.items()})
     ok = {k for k, v in ids.items() if 8 <= len(v) <= config.max_passage_tokens}
-    with_q = {q.passage for q in dataset.questions} | ({q.passage for q in val_dataset.questions} if val_dataset else set())
+    with_q = {q.passage for q in dataset.questions} | (
+        {q.passage for q in val_dataset.questions} if val_dataset else set()
+    )
     if config.objective == "qa":
         ok &= with_q
     if val_dataset is None:
-        train, val = data_mod.split_by_passage([k for k in dataset.passages if k in ok], config.val_fraction, config.seed)
+        train, val = data_mod.split_by_passage(
+            [k for k in dataset.passages if k in ok], config.val_fraction, config.seed
+        )
     else:
         train = sorted(k for k in dataset.passages if k in ok)
         random.Random(config.seed).shuffle(train)
@@ -100,13 +103,47 @@ def select_passages(config, template, dataset, val_dataset):
     return ids, train, val
 
 
-def build_items(config, template, ids, keys, questions):
+def build_items(config, template, ids, keys, questions, passages):
+    """Items of one split; a qa item's past is assembled as `ask` would (see objectives.with_passages)."""
     lengths = {k: len(ids[k]) for k in keys}
-    if config.objective == "qa":
-        items = objectives.qa_items([q for q in questions if q.passage in lengths], template, lengths,
-                                    config.max_answer_tokens)
-        return objectives.with_distractors(items, list(keys), lengths, config.passages_per_item, config.seed)
-    return objectives.lm_items({k: ids[k] for k in keys}, config.lm_fused_fraction, config.lm_target_tokens)
+    if config.objective != "qa":
+        return objectives.lm_items({k: ids[k] for k in keys}, config.lm_fused_fraction, config.lm_target_tokens)
+    questions = [q for q in questions if q.passage in lengths]
+    items = objectives.qa_items(questions, template, lengths, config.max_answer_tokens)
+    depth = max(config.passages_per_item)
+    ranked = None
+    if config.distractors == "retrieved" and depth > 1:
+        ranked = rank_passages(questions, [passages[k] for k in keys], depth)
+    items = objectives.with_passages(items, list(keys), lengths, config.passages_per_item, config.seed, ranked,
+                                     config.order)
+    return objectives.with_recompute(items, ids, config.recompute)
+
+
+def rank_passages(questions, passages, depth: int) -> list[list[str]]:
+    """Per question, the keys of the `depth` passages BM25 ranks first (the index `ask` uses by default)."""
+    from cachegraft_cli.retrieval import Doc, build_index
+
+    index = build_index([Doc(p.key, p.text, p.title) for p in passages], "bm25", progress=False)
+    return [[h.id for h in hits] for hits in index.search_many([q.question for q in questions], depth)]
+
+
+def without_holdout(config, dataset):
+    """The data minus every passage (and its questions) of the corpora `evaluate -B SPEC` would use,
+    so a fuser is never trained on what it is evaluated on. Returns (dataset, passages removed)."""
+    if not config.holdout:
+        return dataset, 0
+    from cachegraft_cli.errors import CacheGraftError
+    from cachegraft_cli.evaluation.datasets import load_benchmark
+
+    held = set()
+    for spec in config.holdout:
+        try:
+            bench = load_benchmark(spec, seed=config.holdout_seed)
+        except CacheGraftError as exc:
+            raise TrainingError(f"--holdout {spec}: {exc.message}", exc.hint) from None
+        held |= {p.text.strip() for p in bench.passages}
+    keep = {k for k, p in dataset.passages.items() if p.text.strip() not in held}
+    return dataset.subset(keep), len(dataset.passages) - len(keep)
 
 
 def cap_items(items, limit, seed):

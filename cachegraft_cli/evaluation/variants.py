@@ -1,0 +1,63 @@
+"""System labels with assembly overrides: `SYSTEM[@key=value]...`.
+
+One evaluation can answer the same system under several assemblies, e.g.
+`text@order=retrieval` next to `text` (the run's order), or an ablation
+`graft@recompute=0@order=retrieval`. The label is what answers, scores and
+comparisons are keyed by; the base system and the overrides are what the
+answerer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachegraft_cli.errors import UsageError
+from cachegraft_cli.systems import SYSTEMS as BASE_SYSTEMS
+
+# override key -> type of its value
+KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
+BEST_TEXT = "text (best order)"  # per benchmark and k, the text variant with the best EM (then F1)
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    system: str
+    overrides: dict = field(default_factory=dict)
+
+
+def parse_variant(label: str) -> Variant:
+    """`graft@recompute=0@order=retrieval` -> Variant(label, "graft", {"recompute": 0, "order": "retrieval"})."""
+    system, *parts = label.split("@")
+    if system not in BASE_SYSTEMS:
+        raise UsageError(f"Unknown system {system!r} in {label!r}.", f"Choose among {', '.join(BASE_SYSTEMS)}.")
+    overrides = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or key not in KEYS:
+            raise UsageError(
+                f"Bad system option {part!r} in {label!r}.",
+                f"Write SYSTEM@key=value with keys {', '.join(KEYS)}, e.g. text@order=retrieval.",
+            )
+        try:
+            overrides[key] = KEYS[key](value)
+        except ValueError:
+            raise UsageError(
+                f"Bad value {value!r} for {key} in {label!r}.", f"{key} takes a {KEYS[key].__name__}."
+            ) from None
+    return Variant(label, system, overrides)
+
+
+def check_variant(label: str) -> Variant:
+    """Parse and check the overrides' values (before any model loads)."""
+    from dataclasses import replace
+
+    from cachegraft_cli.assembly import AssemblyOptions
+
+    variant = parse_variant(label)
+    replace(AssemblyOptions(), **variant.overrides).check()
+    return variant
+
+
+def base_system(label: str) -> str:
+    return label.split("@", 1)[0]
