@@ -2,7 +2,7 @@
 encoding 1 billion tokens with Qwen3-4B -> Qwen3-0.6B would take on N H200s.
 
 Real offline pair (receiver Qwen2.5-Coder-0.5B, sharer 1.5B) with the shipped fuser
-`builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3`, N SQuAD paragraphs. Conditions,
+`builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135`, N SQuAD paragraphs. Conditions,
 each in a fresh process (models load in each; the order rotates every repeat):
 
 - local:    `encode_corpus`, torch with 2 threads (the default engine)
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import bench_common as bc  # first: sets OMP_WAIT_POLICY=PASSIVE before anything imports torch
 
-FUSER = "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3"
+FUSER = "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135"
 CONDITIONS = ("local", "local-1t", "ray-1", "ray-2")
 H200_BF16_PEAK = 989.4e12  # dense bf16 tensor-core FLOP/s, H200 SXM (same tensor cores as H100 SXM; 2x with sparsity)
 TOKENS_GOAL = 1e9

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 SUITE = [
     ("p1", "p1_ttft.py", ["--questions", "3", "--repeats", "1"]),
     ("p2", "fuse_speed.py", ["--n", "4", "--batch-sizes", "4", "--no-bf16-fuser",
-                             "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3"]),
+                             "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135"]),
     ("p3", "p3_codecs.py", ["--questions", "16", "--codecs", "int8,int4"]),
     ("p4", "p4_p5_store_scale.py", ["--repeats", "30", "--append-repeats", "3"]),
     ("p6", "p6_memory.py", ["--repeats", "1"]),

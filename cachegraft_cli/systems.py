@@ -9,7 +9,7 @@ from cachegraft_cli.errors import UsageError
 SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
 CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}  # the store caches a system reads
 K_FREE_SYSTEMS = ("closed",)  # answer without passages: one answer serves every k
-ADAPTER_FUSER = "builtin:qwen2.5-coder-0.5b-squadshifts-qa-k3-adapter"  # the shipped adapter (offline pair)
+ADAPTER_FUSER = "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter"  # the shipped adapter (offline pair)
 
 
 def check_name(system: str) -> None:

@@ -95,3 +95,33 @@ def test_answerer_shares_the_receiver_and_drops_the_sharer_after_encoding(qa_fil
     keep = StoreAnswerer(replace(config, stores_dir=str(tmp_path / "fresh")), ["graft", "sharer-text"])
     keep.prepare(bench.name, bench.passage_dicts())
     assert "sharer" in keep._session(fuser).__dict__
+
+
+def test_evaluate_answer_batch_gives_the_one_at_a_time_answers(qa_file, tiny_dirs, tiny_models, tmp_path):
+    """`--answer-batch 3` decodes questions together (Asker.ask_many): in float32 every
+    answer and score equals the one-at-a-time run, and its config records the batch."""
+    from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
+    from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+
+    fuser = _fuser_dir(tiny_models, tmp_path / "fuser")
+
+    def run(batch: int, name: str) -> list[dict]:
+        config = AnswererConfig(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), fuser, codec="float32",
+                                max_new_tokens=4, dtype="float32", answer_batch=batch,
+                                stores_dir=str(tmp_path / "stores"))
+        systems = ["graft", "text", "graft@recompute=0"]
+        run_config = RunConfig([f"tiny={qa_file}"], systems, tmp_path / name, ks=(1, 3),
+                               answerer_config=config.results_key())
+        run_evaluation(run_config, StoreAnswerer(config, systems), progress=False)
+        rows = [json.loads(line) for line in (tmp_path / name / "answers.jsonl").read_text().splitlines()]
+        return sorted(rows, key=lambda a: (a["system"], a["k"], a["id"]))
+
+    one, batched = run(1, "one"), run(3, "batched")
+    assert len(one) == len(batched) == 4 * 3 * 2
+    for a, b in zip(one, batched):
+        assert (a["system"], a["k"], a["id"]) == (b["system"], b["k"], b["id"])
+        assert (a["answer"], a["retrieved"], a["em"]) == (b["answer"], b["retrieved"], b["em"])
+    assert "batch" in batched[0]["timings"] and "batch" not in one[0]["timings"]
+    saved = json.loads((tmp_path / "batched" / "config.json").read_text())
+    assert saved["answerer"]["answer_batch"] == 3
+    assert "answer_batch" not in json.loads((tmp_path / "one" / "config.json").read_text())["answerer"]

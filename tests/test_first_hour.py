@@ -112,7 +112,7 @@ def test_ask_checks_fail_before_any_model_loads(indexed_store, tmp_path, capsys,
     code, _, err = run(capsys, monkeypatch, "ask", "   ", "--store", indexed_store)
     assert code == 2 and "empty" in err
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", indexed_store, "--system", "adapter")
-    assert code == 2 and "builtin:qwen2.5-coder-0.5b-squadshifts-qa-k3-adapter" in err
+    assert code == 2 and "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter" in err
 
 
 # ---------------------------------------------------------------- 3. status while models load

@@ -77,6 +77,11 @@ def evaluate(
     blend_layer: BlendLayerOpt = 1,
     stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused.")] = Path("stores"),
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    answer_batch: Annotated[
+        int,
+        typer.Option(min=1, max=64, help="Questions decoded together (1: one at a time; more is faster, and the "
+                     "timings become the batch's)."),
+    ] = 1,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     json_out: JsonOpt = False,
@@ -105,6 +110,7 @@ def evaluate(
         blend,
         blend_layer,
         max_new_tokens=max_new_tokens,
+        answer_batch=answer_batch,
         device=device,
         dtype=dtype,
         stores_dir=str(stores),
