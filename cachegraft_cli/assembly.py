@@ -41,7 +41,10 @@ ORDERS = ("retrieval", "best-last")
 SCHEMES = ("rotate", "shared")
 DEFAULT_ORDER = "best-last"
 DEFAULT_SCHEME = "rotate"
-DEFAULT_RECOMPUTE = 16
+# Off by default: re-reading 16 boundary tokens of each later passage costs the question's forward
+# 3-4x its tokens, and at k=5 text/graft time to first token fell from 8.4x to 4.8x, under the 6x
+# floor (benchmarks/p1_ttft.py, docs/results.md). `--recompute 16` is the measured quality opt-in.
+DEFAULT_RECOMPUTE = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cachegraft_cli.assembly import DEFAULT_RECOMPUTE
 from cachegraft_cli.errors import NoPassagesError, UsageError
 
 
@@ -27,7 +28,7 @@ class AnswererConfig:
     codec: str = "bf16"
     scheme: str = "rotate"
     order: str = "best-last"
-    recompute: int = 16
+    recompute: int = DEFAULT_RECOMPUTE
     blend: float = 0.0
     blend_layer: int = 1
     index_kind: str = "bm25"
