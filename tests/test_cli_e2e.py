@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from cachegraft_cli.cli.app import main
+from cli_support import run_cli
 
 PASSAGES = [
     {"id": "harbor", "title": "Harbor town", "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
@@ -20,12 +19,7 @@ QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what 
 
 def run(capsys, monkeypatch, *args):
     """Invoke `cachegraft` in-process through main() (the real error mapping)."""
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
+    return run_cli(capsys, monkeypatch, *args, forbid=())
 
 
 def _corpus(path, passages):

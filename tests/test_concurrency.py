@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from faults import Cli, Faults, record
 
-from cachegraft_cli.cli.app import main
 from cachegraft_cli.store import CacheStore
 
 HOLDER = r"""
@@ -25,13 +25,7 @@ time.sleep(120)
 
 
 def run(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return info.value.code or 0, out, err
+    return run_cli(capsys, monkeypatch, *args)
 
 
 def _corpus(path: Path, ids, text="note") -> Path:

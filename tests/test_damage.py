@@ -8,27 +8,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from faults import record
 
-from cachegraft_cli.cli.app import main
 from cachegraft_cli.store import CacheStore
 
 WORDS = ["amber", "basalt", "cobalt", "dusk", "ember", "frost", "granite", "harbor", "indigo", "jade", "kelp", "lumen"]
 
 
 def run(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err and "this is a bug" not in err, err
-    return info.value.code or 0, out, err
+    return run_cli(capsys, monkeypatch, *args, forbid=("Traceback", "this is a bug"))
 
 
 @pytest.fixture(scope="module")

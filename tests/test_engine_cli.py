@@ -6,16 +6,12 @@ import json
 import sys
 
 import pytest
-
-from cachegraft_cli.cli.app import main
+from cli_support import run_cli
 
 
 def run(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    return info.value.code or 0, capsys.readouterr().err
+    code, _, err = run_cli(capsys, monkeypatch, *args, forbid=())
+    return code, err
 
 
 @pytest.mark.parametrize("args, code, message", [

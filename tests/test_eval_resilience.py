@@ -4,21 +4,12 @@ recorded absolute, so a store answers from any directory."""
 from __future__ import annotations
 
 import json
-import sys
 
-import pytest
-
-from cachegraft_cli.cli.app import main
+from cli_support import run_cli
 
 
 def run(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return info.value.code or 0, out, err
+    return run_cli(capsys, monkeypatch, *args)
 
 
 def test_a_question_that_retrieves_nothing_is_a_miss_and_the_run_goes_on(tiny_dirs, tmp_path, capsys, monkeypatch):

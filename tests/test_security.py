@@ -8,26 +8,18 @@ import os
 import pickle
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import run_cli
 from faults import record
-
-from cachegraft_cli.cli.app import main
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachegraft_cli"
 
 
 def run(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["cachegraft", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return info.value.code or 0, out, err
+    return run_cli(capsys, monkeypatch, *args)
 
 
 class _Payload:
