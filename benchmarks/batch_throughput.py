@@ -50,8 +50,8 @@ def run(asker, questions: list[str], options, batch: int) -> tuple[float, list[s
 def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
-    from cachegraft_cli.ask import Asker, AskOptions
-    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.answering.ask import Asker, AskOptions
+    from cachegraft_cli.lm.generation import GenerationConfig
 
     if args.use_store:
         url, session, (_, questions) = args.use_store, bc.session_for("closed"), bc.store_data(args.use_store)

@@ -13,8 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402
 import random  # noqa: E402
-import statistics  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -119,7 +119,7 @@ def random_fuser_dir(receiver, sharer, seed: int = 0) -> str:
 
 def session_for(fuser: str = "random", seed: int = 0):
     """A ModelSession over the offline pair; fuser `random` (open gates), `closed`, or a dir."""
-    from cachegraft_cli.models import load_causal_lm
+    from cachegraft_cli.lm.models import load_causal_lm
     from cachegraft_cli.session import ModelChoice, ModelSession
 
     if fuser == "random":
@@ -134,9 +134,10 @@ def session_for(fuser: str = "random", seed: int = 0):
 
 def ensure_store(url: str, passages, session, codec: str = "bf16", batch_size: int = 4) -> dict:
     """Encode (idempotent: reuses what is stored) and index (BM25) the passages."""
-    from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.encoding.local import encode_corpus
+    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.errors import StoreMismatchError
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
 
     t0 = time.perf_counter()
     options = EncodeOptions(codec=codec, batch_size=batch_size)

@@ -74,8 +74,8 @@ def build_session(args):
 def run(args) -> dict:
     import torch
 
-    from cachegraft_cli import kvcache
-    from cachegraft_cli.encode import split_passage
+    from cachegraft_cli.encoding.plan import split_passage
+    from cachegraft_cli.lm import kvcache
 
     torch.set_num_threads(args.threads)
     session = build_session(args)

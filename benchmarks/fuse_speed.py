@@ -52,9 +52,9 @@ from cachegraft_cli import fusion  # noqa: E402
 from cachegraft_cli.config import pulled_models_dir  # noqa: E402
 from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
-from cachegraft_cli.fusion import FusionEngine  # noqa: E402
-from cachegraft_cli.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
-from cachegraft_cli.template import PromptTemplate  # noqa: E402
+from cachegraft_cli.fuser.fusion import FusionEngine  # noqa: E402
+from cachegraft_cli.lm.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
+from cachegraft_cli.lm.template import PromptTemplate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`

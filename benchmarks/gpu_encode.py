@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from cachegraft_cli.fuser.fuser import Fuser
-from cachegraft_cli.fusion import FusionEngine
-from cachegraft_cli.models import LoadedModel
+from cachegraft_cli.fuser.fusion import FusionEngine
+from cachegraft_cli.lm.models import LoadedModel
 
 VOCAB = 151936
 RECEIVER_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -18,9 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-
 import bench_common as bc
+import numpy as np
 
 DEFAULT_STORE = bc.WORK_DIR / "p3-closed-auto-s0-n41-float32"
 
@@ -64,8 +63,8 @@ def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
 def main(argv=None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
+    from cachegraft_cli.lm.template import PromptTemplate
     from cachegraft_cli.store.store import CacheStore
-    from cachegraft_cli.template import PromptTemplate
 
     args = parse_args(argv)
     store = CacheStore.open(args.store)

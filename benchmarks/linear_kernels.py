@@ -1,4 +1,4 @@
-"""float32 CPU linear layers: torch's default path vs oneDNN (cachegraft_cli/onednn.py).
+"""float32 CPU linear layers: torch's default path vs oneDNN (cachegraft_cli/lm/onednn.py).
 
 Times `F.linear` and `OneDnnLinear` side by side, interleaved, at the row
 counts that matter (1: decoding a token; ~20: a question's prefill; 128-700:
@@ -40,7 +40,7 @@ def timed(fn, repeats: int) -> float:
 def layer_rows(rows: list[int], repeats: int) -> list[list]:
     import torch
 
-    from cachegraft_cli.onednn import route_linears
+    from cachegraft_cli.lm.onednn import route_linears
 
     out = []
     for name, (fan_in, fan_out) in SHAPES.items():
@@ -63,8 +63,8 @@ def layer_rows(rows: list[int], repeats: int) -> list[list]:
 def model_rows(lengths=(21, 700)) -> list[list]:
     import torch
 
-    from cachegraft_cli.models import load_causal_lm
-    from cachegraft_cli.onednn import OneDnnLinear
+    from cachegraft_cli.lm.models import load_causal_lm
+    from cachegraft_cli.lm.onednn import OneDnnLinear
 
     model = load_causal_lm(bc.RECEIVER, device="cpu", dtype="float32").model
     routed = [m for m in model.modules() if type(m) is OneDnnLinear]
@@ -86,7 +86,7 @@ def model_rows(lengths=(21, 700)) -> list[list]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
-    from cachegraft_cli import onednn
+    from cachegraft_cli.lm import onednn
 
     if not onednn.available():
         print("oneDNN linear is not available in this torch build (or CACHEGRAFT_ONEDNN_LINEAR=0)")

@@ -52,9 +52,9 @@ def parse_args(argv):
 
 def conditions(k: int, variants: str) -> dict:
     """{label: AskOptions}: the systems at the library defaults, plus graft variants `graft@key=value...`."""
+    from cachegraft_cli.answering.ask import AskOptions
     from cachegraft_cli.evaluation.variants import parse_variant
-    from cachegraft_cli.ask import AskOptions
-    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationConfig
 
     labels = list(SYSTEMS) + ["graft@" + v.replace("+", "@") for v in variants.split(",") if v.strip()]
     out = {}
@@ -92,7 +92,7 @@ def summarise(runs: dict) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
-    from cachegraft_cli.ask import Asker
+    from cachegraft_cli.answering.ask import Asker
 
     if args.store:  # the models the store names (e.g. `pulled:` ones), never the fuser: asking needs none
         url, session = args.store, None

@@ -47,7 +47,7 @@ def parse_args(argv):
 
 def transcode(src_url: str, dst_url: str, codec: str) -> None:
     """Write the source store's fused caches (decoded, bit-exact for bf16) into a new `codec` store."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import CacheStore
 
     src = CacheStore.open(src_url)
@@ -94,9 +94,9 @@ def bytes_per_token(url: str) -> dict:
 
 def answer_all(askers: dict, questions, k: int, max_new: int) -> dict[str, list[float]]:
     """F1 per question per codec; codecs take turns question by question."""
-    from cachegraft_cli.ask import AskOptions
+    from cachegraft_cli.answering.ask import AskOptions
     from cachegraft_cli.evaluation.metrics import f1_score
-    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationConfig
 
     options = AskOptions("graft", k, generation=GenerationConfig(max_new_tokens=max_new))
     f1 = {c: [] for c in askers}
@@ -121,7 +121,7 @@ def paired_delta(base: list[float], other: list[float]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
-    from cachegraft_cli.ask import Asker
+    from cachegraft_cli.answering.ask import Asker
 
     passages, questions = bc.squad_sample(args.questions, args.seed, min_passages=args.k)
     session = bc.session_for(args.fuser, args.seed)

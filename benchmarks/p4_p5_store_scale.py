@@ -40,9 +40,8 @@ import shutil
 import sys
 import time
 
-import numpy as np
-
 import bench_common as bc
+import numpy as np
 
 TARGETS = {"p4_read_ratio": 1.5, "p4_latency_big/small": 1.1, "p5_append_big/empty": 1.1}
 SEGMENT_ROWS = 2000
@@ -132,7 +131,7 @@ def build(url: str, n: int, geometry: dict, synth: Synth) -> float:
     files with their own ids and texts (see clone_segment): writing 15M tokens through
     the writer takes ~30 min on a loaded 2-core machine (blosc on 4 KB chunks), copying
     the files takes a minute, and reads, opens and appends see the same store either way."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import FORMAT_VERSION, CacheStore
 
     t0 = time.perf_counter()
@@ -193,7 +192,7 @@ class Probe:
     def __init__(self, url: str):
         import torch
 
-        from cachegraft_cli.indexing import open_index
+        from cachegraft_cli.retrieval.stored import open_index
         from cachegraft_cli.store import CacheStore
 
         t0 = time.perf_counter()
@@ -205,7 +204,7 @@ class Probe:
         g = self.store.geometry
         d = g["head_dim"]
         inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # Qwen2.5 rope_theta
-        from cachegraft_cli import kvcache
+        from cachegraft_cli.lm import kvcache
 
         self.rotator = kvcache.KeyRotator([inv] * g["layers"])
         self.prefix = kvcache.from_token_major(self.store.prefix(), torch.bfloat16)
@@ -215,7 +214,7 @@ class Probe:
         """Asker._assemble's work: decode, to bf16 tensors, rotate each block by its offset, concat, batch."""
         import torch
 
-        from cachegraft_cli import kvcache
+        from cachegraft_cli.lm import kvcache
 
         arrays = self.store.read(ids)
         base = kvcache.num_tokens(self.prefix)
@@ -301,7 +300,7 @@ def evict_page_cache(urls) -> None:
 
 def measure_appends(big_url: str, empty_root: str, geometry: dict, synth: Synth, n: int, repeats: int) -> dict:
     """Seconds per append session (open + write + commit) and per index update, big vs empty, interleaved."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import CacheStore
 
     out = {"big": [], "empty": [], "index_big": [], "index_empty": [], "open_big": [], "open_empty": []}

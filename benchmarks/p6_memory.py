@@ -52,8 +52,8 @@ def status_kb(field: str) -> int:
 def child(args) -> int:
     """One ask in this (fresh) process; prints one JSON line of memory figures (MiB)."""
     bc.set_threads(args.threads)
-    from cachegraft_cli.ask import Asker, AskOptions
-    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.answering.ask import Asker, AskOptions
+    from cachegraft_cli.lm.generation import GenerationConfig
 
     asker = Asker(args.store)
     asker.warm(args.child)

@@ -93,7 +93,8 @@ def run_condition(args) -> dict:
     """Encode into a fresh store; (time, tokens) at every finished window, for the steady rate."""
     import torch
 
-    from cachegraft_cli.encode import EncodeOptions, encode_corpus
+    from cachegraft_cli.encoding.local import encode_corpus
+    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelChoice, ModelSession
 
     name = args.condition
@@ -106,7 +107,7 @@ def run_condition(args) -> dict:
         summary = encode_corpus(items, args.store, ModelSession(choice), options)
         actors = 1
     else:
-        from cachegraft_cli.engines.ray_engine import RayOptions, encode_on_ray
+        from cachegraft_cli.encoding.ray.driver import RayOptions, encode_on_ray
 
         actors = int(name.split("-")[1])
         summary = encode_on_ray(items, args.store, choice, options, RayOptions(actors=actors, commit_seconds=0))
@@ -184,7 +185,7 @@ def fuser_flops(rgeo: dict, sgeo: dict, spec: str | None = None) -> float:
 
     from cachegraft_cli.fuser import load_fuser
     from cachegraft_cli.fuser.fuser import Fuser
-    from cachegraft_cli.kvcache import Geometry
+    from cachegraft_cli.lm.kvcache import Geometry
 
     if spec is not None:
         fuser = load_fuser(spec)

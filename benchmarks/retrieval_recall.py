@@ -12,7 +12,7 @@ lengths) over the same tokens: what the hand-written BM25 before engines
 scored (its tests checked it equal to bm25s), and reports how often the
 BM25 engine's top-k lists equal it.
 
-`--engines` picks the engines (`cachegraft_cli.indexes`; defaults: tantivy for
+`--engines` picks the engines (`cachegraft_cli.retrieval.engines`; defaults: tantivy for
 BM25, usearch for vectors), e.g. `--kinds dense --engines flat` for exact search.
 """
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from cachegraft_cli.corpus import read_corpus
-from cachegraft_cli.retrieval import DEFAULT_EMBEDDER, build_index
+from cachegraft_cli.retrieval.index import DEFAULT_EMBEDDER, build_index
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / ".." / "shared" / "data" / "qa" / "squad_v1.1_dev.json"
@@ -80,7 +80,7 @@ def reference_rankings(passages: list, questions: list, depth: int = max(KS), k1
     import bm25s
     import numpy as np
 
-    from cachegraft_cli.retrieval import _doc_text, _Tokenizer
+    from cachegraft_cli.retrieval.index import _doc_text, _Tokenizer
 
     tokenize = _Tokenizer(None)
     vocab: dict[str, int] = {}

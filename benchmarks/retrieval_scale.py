@@ -78,7 +78,7 @@ class Data:
     """SQuAD paragraphs + questions (text, real vectors) and the synthetic rows' generators."""
 
     def __init__(self, args: argparse.Namespace):
-        from cachegraft_cli.retrieval import _Tokenizer
+        from cachegraft_cli.retrieval.index import _Tokenizer
 
         self.args = args
         self.tokenize = _Tokenizer(None)
@@ -126,7 +126,7 @@ def _squad_vectors(data: Data, work: Path) -> tuple[np.ndarray, np.ndarray]:
     if cache.exists():
         saved = np.load(cache)
         return saved["paragraphs"], saved["questions"]
-    from cachegraft_cli.retrieval import _Embedder
+    from cachegraft_cli.retrieval.index import _Embedder
 
     log(f"embedding {len(data.paragraphs)} paragraphs and {len(data.questions)} questions (once)")
     embedder = _Embedder(data.args.embedder, progress=False)
@@ -145,7 +145,7 @@ def disk_bytes(root: Path) -> int:
 
 def build(name: str, root: Path, data: Data, lo: int, hi: int) -> tuple[float, Any]:
     """Seconds spent in the engine (put + commit) for rows [lo, hi) of a new engine."""
-    from cachegraft_cli import indexes as engines
+    from cachegraft_cli.retrieval import engines
 
     shutil.rmtree(root, ignore_errors=True)
     engine = engines.create(name, root)
@@ -172,7 +172,7 @@ def append(engine, data: Data, lo: int, hi: int) -> float:
 def appends(name: str, engine, data: Data, n: int, args: argparse.Namespace, work: Path) -> dict:
     """The same new rows appended to the big engine and to an empty one, alternating;
     every repeat appends further rows to the big one (medians)."""
-    from cachegraft_cli import indexes as engines
+    from cachegraft_cli.retrieval import engines
 
     big, empty = [], []
     for repeat in range(args.repeats):
@@ -200,7 +200,7 @@ def measure_in_child(name: str, root: Path, params: dict, queries_file: Path, wo
 
 def child(name: str, root: str, queries_file: str, out: str) -> int:
     """Open one engine in this fresh process, query it, report time and memory."""
-    from cachegraft_cli import indexes as engines
+    from cachegraft_cli.retrieval import engines
 
     cls = engines.engine_class(name)
     if cls.takes == "terms":
@@ -252,7 +252,7 @@ def overlap(rows: list[list[int]], exact: list[list[int]]) -> float:
 
 
 def run_size(n: int, names: list[str], data: Data, args: argparse.Namespace) -> dict[str, dict]:
-    from cachegraft_cli import indexes as engines
+    from cachegraft_cli.retrieval import engines
 
     work = Path(args.work) / f"n{n}"
     work.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cachegraft_cli.corpus import Passage
-from cachegraft_cli.encode import EncodeOptions, EncodeSummary
+from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from cachegraft_cli.ask import Asker, AskOptions
+    from cachegraft_cli.answering.ask import Asker, AskOptions
 
 __all__ = ["Answer", "EncodeSummary", "Passage", "Source", "Store", "answer", "answer_many", "ask_options",
            "encode_passages", "index_store", "open_store"]
@@ -74,8 +74,8 @@ class Answer:
 def ask_options(**options: Any) -> AskOptions:
     """`AskOptions` from keyword arguments: its own fields plus `GenerationConfig`'s; an unknown
     name is refused. New `AskOptions` fields work here without a change to this function."""
-    from cachegraft_cli.ask import AskOptions
-    from cachegraft_cli.generation import GenerationConfig
+    from cachegraft_cli.answering.ask import AskOptions
+    from cachegraft_cli.lm.generation import GenerationConfig
 
     generation_names = {f.name for f in fields(GenerationConfig)}
     ask_names = {f.name for f in fields(AskOptions)} - {"generation"}
@@ -111,14 +111,14 @@ class Store:
     def asker(self) -> Asker:
         """The `ask.Asker` holding this store's snapshot, index and loaded models."""
         if self._asker is None:
-            from cachegraft_cli.ask import Asker
+            from cachegraft_cli.answering.ask import Asker
 
             self._asker = Asker(self.path, self._overrides, self._index_kind)
         return self._asker
 
     def info(self) -> dict:
         """What `cachegraft store info --json` prints."""
-        from cachegraft_cli.indexing import store_report
+        from cachegraft_cli.retrieval.stored import store_report
 
         return store_report(self.path)
 
@@ -133,7 +133,7 @@ class Store:
 
     def ask(self, question: str, *, on_text: Callable[[str], None] | None = None, **options: Any) -> Answer:
         """Answer one question; `on_text` receives the answer's text as it is decoded."""
-        from cachegraft_cli.systems import check_question
+        from cachegraft_cli.answering.systems import check_question
 
         opts = ask_options(**options)
         check_question(question)
@@ -143,7 +143,7 @@ class Store:
     def ask_many(self, questions: Iterable[str], *, batch_size: int = 8, **options: Any) -> list[Answer]:
         """Answer questions decoded together in batches of `batch_size`, in order. A question that
         retrieves no passage raises `NoPassagesError`."""
-        from cachegraft_cli.systems import check_question
+        from cachegraft_cli.answering.systems import check_question
 
         items = list(questions)
         opts = ask_options(**options)
@@ -171,7 +171,7 @@ class Store:
     def _refresh(self) -> None:
         """A new snapshot of the store and its index, keeping the loaded models."""
         if self._asker is not None:
-            from cachegraft_cli.ask import Asker
+            from cachegraft_cli.answering.ask import Asker
 
             self._asker = Asker(self.path, self._overrides, self._index_kind, session=self._asker.session)
 
@@ -211,7 +211,8 @@ def encode_passages(
     of `Passage`s or dicts with `id`, `text` and optional `title` (other keys become metadata).
     Re-encoding what is stored is skipped without loading any model."""
     from cachegraft_cli.corpus import from_records, read_corpus
-    from cachegraft_cli.encode import check_corpus, encode_into
+    from cachegraft_cli.encoding.plan import check_corpus
+    from cachegraft_cli.encoding.run import encode_into
 
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
     if isinstance(corpus, (str, Path)):
@@ -232,7 +233,7 @@ def index_store(store: str | Path, kind: str = "bm25", embedder: str | None = No
     """Build the store's retrieval index, or add the passages encoded since (`kind`: bm25,
     dense or hybrid; `embedder`: a sentence-transformers model for dense/hybrid; `engines`:
     tantivy, usearch or flat for its parts, default the existing index's or tantivy + usearch)."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
 
     return build_store_index(str(store), kind, embedder, rebuild, engines=engines)
 

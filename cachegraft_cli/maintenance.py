@@ -27,8 +27,8 @@ def verify_store(url: str, progress=None) -> dict:
 def index_problem(store, url: str) -> str | None:
     """Why the index does not serve the store (None when there is no index, or it does)."""
     from cachegraft_cli.errors import IndexMissingError
-    from cachegraft_cli.indexdir import root
-    from cachegraft_cli.indexing import open_index
+    from cachegraft_cli.retrieval.directory import root
+    from cachegraft_cli.retrieval.stored import open_index
 
     if not store.loc.exists("index"):
         return None
@@ -74,7 +74,8 @@ def repair_store(url: str, reencode: bool = False) -> dict:
 
 
 def _reencode(url: str, rows: list, lock):
-    from cachegraft_cli.encode import EncodeOptions, reencode_rows
+    from cachegraft_cli.encoding.local import reencode_rows
+    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelSession, stored_choice
     from cachegraft_cli.store import CacheStore
 
@@ -85,7 +86,7 @@ def _reencode(url: str, rows: list, lock):
 
 def _rebuild_index(url: str) -> str | None:
     """Rebuild the index when it no longer serves the store (repair dropped passages it holds)."""
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import CacheStore
 
     store = CacheStore.open(url)
@@ -108,7 +109,7 @@ def _index_kind(url: str) -> tuple[str, str | None]:
 
     from fsspec.core import url_to_fs
 
-    from cachegraft_cli.indexing import index_path
+    from cachegraft_cli.retrieval.stored import index_path
 
     try:
         fs, path = url_to_fs(index_path(url))

@@ -12,7 +12,7 @@ from functools import cached_property
 
 from cachegraft_cli.config import PAPER_PRESET, get_preset
 from cachegraft_cli.errors import StoreMismatchError
-from cachegraft_cli.template import DEFAULT_INSTRUCTION
+from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
 
 POSITION_SCHEME = "canonical"  # passages are encoded right after the prefix
 
@@ -38,7 +38,7 @@ class ModelChoice:
         """Everything about the choice that can be checked without loading a model:
         device, dtype, that local specs exist, built-in fuser names. Raises typed errors."""
         from cachegraft_cli.fuser import check_fuser_spec
-        from cachegraft_cli.models import check_device, check_dtype, resolve_source
+        from cachegraft_cli.lm.models import check_device, check_dtype, resolve_source
 
         check_device(self.device)
         check_dtype(self.dtype)
@@ -102,18 +102,18 @@ class ModelSession:
         """The receiver's tokenizer; loaded on its own (no weights) when the receiver is not loaded yet."""
         if "receiver" in self.__dict__:
             return self.receiver.tokenizer
-        from cachegraft_cli.models import load_tokenizer
+        from cachegraft_cli.lm.models import load_tokenizer
 
         return load_tokenizer(self.choice.receiver, trust_remote_code=self.choice.trust_remote_code)
 
     @cached_property
     def template(self):
-        from cachegraft_cli.template import PromptTemplate
+        from cachegraft_cli.lm.template import PromptTemplate
 
         return PromptTemplate.for_tokenizer(self.tokenizer, self.choice.instruction)
 
     def _load(self, spec: str):
-        from cachegraft_cli.models import load_causal_lm
+        from cachegraft_cli.lm.models import load_causal_lm
 
         c = self.choice
         return load_causal_lm(spec, device=c.device, dtype=c.dtype, trust_remote_code=c.trust_remote_code)
@@ -121,7 +121,7 @@ class ModelSession:
     def engine(self):
         """The fusion engine (built once): the sharer loads only for an open fuser."""
         if "_engine" not in self.__dict__:
-            from cachegraft_cli.fusion import FusionEngine
+            from cachegraft_cli.fuser.fusion import FusionEngine
 
             sharer = self.sharer if self._runs_sharer() else None
             self._engine = FusionEngine(self.receiver, self.template.prefix_ids(), sharer, self.fuser)
@@ -156,7 +156,7 @@ class ModelSession:
     def open_or_create_store(self, url: str, codec: str, also_own_cache: bool):
         """A store for these models: created, or reopened (identity checked). A store
         that already keeps own caches goes on keeping them, asked or not."""
-        from cachegraft_cli import kvcache
+        from cachegraft_cli.lm import kvcache
         from cachegraft_cli.store import CacheStore
 
         store = open_existing(url)
@@ -164,7 +164,7 @@ class ModelSession:
         if store is not None:
             check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.engine().prefix_kv())
-        from cachegraft_cli.storage import writing
+        from cachegraft_cli.store.oserrors import writing
 
         with writing(str(url), "create the store"):
             return CacheStore.create(url, self.identity(codec), prefix, store.kinds if store is not None else kinds)

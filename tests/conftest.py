@@ -24,7 +24,7 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tiny_dirs):
     """Loaded tiny models in float32 on CPU, by role."""
-    from cachegraft_cli.models import load_causal_lm
+    from cachegraft_cli.lm.models import load_causal_lm
 
     return {role: load_causal_lm(str(path), device="cpu", dtype="float32") for role, path in tiny_dirs.items()}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachegraft_cli import indexes as engines
+from cachegraft_cli.retrieval import engines
 
 WORDS = [f"w{i}" for i in range(60)]
 DIM = 16

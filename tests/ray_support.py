@@ -9,7 +9,7 @@ import os
 import signal
 import uuid
 
-from cachegraft_cli.engines.ray_worker import FuseWriter
+from cachegraft_cli.encoding.ray.worker import FuseWriter
 
 
 class LocalS3:

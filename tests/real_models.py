@@ -12,7 +12,7 @@ def real_model(variable: str, pulled: str) -> str:
     given = os.environ.get(variable, "")
     if given:
         return given if Path(given).is_dir() else ""
-    from cachegraft_cli import pull
+    from cachegraft_cli.lm import pull
 
     return str(pull.model_dir(pulled)) if pull.is_pulled(pulled) else ""
 

@@ -28,7 +28,7 @@ MORE = cg.Passage("photo", "Photosynthesis", "Photosynthesis turns light, water 
 
 @pytest.fixture
 def loads(monkeypatch):
-    import cachegraft_cli.models as models
+    import cachegraft_cli.lm.models as models
 
     seen: list[str] = []
     real = models.load_causal_lm

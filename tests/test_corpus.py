@@ -11,7 +11,9 @@ import pytest
 from cachegraft_cli.corpus import Passage, content_id, read_corpus
 from cachegraft_cli.errors import CorpusError
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus.jsonl"
+from paths import SAMPLE_DATA
+
+SAMPLE = SAMPLE_DATA / "corpus.jsonl"
 
 
 def write(path: Path, content: str | bytes) -> Path:

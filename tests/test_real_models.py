@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from real_models import real_model, reason
 
 RECEIVER = real_model("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")
@@ -13,15 +12,18 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not RECEIVER, reason=reason("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")),
 ]
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "corpus.jsonl"
+from paths import SAMPLE_DATA
+
+SAMPLE = SAMPLE_DATA / "corpus.jsonl"
 
 
 def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
-    from cachegraft_cli.ask import AskOptions, Asker
+    from cachegraft_cli.answering.ask import Asker, AskOptions
     from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encode import EncodeOptions, encode_corpus
-    from cachegraft_cli.generation import GenerationConfig
-    from cachegraft_cli.indexing import build_store_index
+    from cachegraft_cli.encoding.local import encode_corpus
+    from cachegraft_cli.encoding.plan import EncodeOptions
+    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.session import ModelChoice, ModelSession
 
     passages = [p for p in read_corpus(SAMPLE) if p.id.startswith("harrowmere")]

@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
 from cachegraft_cli.cli.options import (
     BlendLayerOpt,
     BlendOpt,
@@ -52,11 +52,11 @@ def ask(
     json_out: JsonOpt = False,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
+    from cachegraft_cli.answering.questions import read_questions
+    from cachegraft_cli.answering.systems import check_question
     from cachegraft_cli.api import Store, ask_options
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.errors import UsageError
-    from cachegraft_cli.questions import read_questions
-    from cachegraft_cli.systems import check_question
 
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
@@ -96,7 +96,7 @@ def _check_index_kind(kind: str | None) -> None:
 
 
 def _note_coverage(graft, system: str, store: str) -> None:
-    from cachegraft_cli.indexing import coverage_note
+    from cachegraft_cli.retrieval.stored import coverage_note
 
     note = coverage_note(graft.asker.store, graft.asker.index, store) if system != "closed" else None
     if note:

@@ -68,7 +68,8 @@ def encode(
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encode import EncodeOptions, check_corpus, encode_into
+    from cachegraft_cli.encoding.plan import EncodeOptions, check_corpus
+    from cachegraft_cli.encoding.run import encode_into
     from cachegraft_cli.progress import EncodeProgress
 
     # Everything is checked before anything is written or any model loads.
@@ -93,7 +94,7 @@ def encode(
 
 def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, device):
     """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
-    from cachegraft_cli.engines import ENGINES
+    from cachegraft_cli.encoding import ENGINES
     from cachegraft_cli.errors import UsageError
 
     if engine not in ENGINES:
@@ -105,7 +106,7 @@ def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, d
         if flags:
             raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
         return None
-    from cachegraft_cli.engines.ray_engine import RayOptions, check_devices, require_ray
+    from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
 
     options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
                          cpus_per_actor=cpus_per_actor or 1.0)

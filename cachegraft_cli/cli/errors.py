@@ -49,7 +49,7 @@ def report(exc: BaseException) -> int:
     if isinstance(exc, BrokenPipeError):
         return 0  # downstream closed the pipe (e.g. `| head`): not an error
     if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:  # disk full, read-only: the machine, not a bug
-        from cachegraft_cli.storage import write_error
+        from cachegraft_cli.store.oserrors import write_error
 
         return report(write_error(exc, exc.filename or "?", "write"))
     _say(f"error: unexpected {type(exc).__name__}: {exc}")

@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
 from cachegraft_cli.cli.options import (
     BlendLayerOpt,
     BlendOpt,
@@ -87,7 +87,7 @@ def evaluate(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
-    from cachegraft_cli.assembly import AssemblyOptions
+    from cachegraft_cli.answering.assembly import AssemblyOptions
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation

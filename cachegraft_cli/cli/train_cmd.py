@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
 from cachegraft_cli.cli.options import (
     DeviceOpt,
     InstructionOpt,

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cachegraft_cli.assembly import DEFAULT_RECOMPUTE
+from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
 from cachegraft_cli.errors import NoPassagesError, UsageError
 
 
@@ -87,9 +87,10 @@ class StoreAnswerer:
 
     def prepare(self, benchmark_name: str, passages: list[dict]) -> None:
         from cachegraft_cli.corpus import Passage
-        from cachegraft_cli.encode import EncodeOptions, encode_corpus
-        from cachegraft_cli.indexing import build_store_index
+        from cachegraft_cli.encoding.local import encode_corpus
+        from cachegraft_cli.encoding.plan import EncodeOptions
         from cachegraft_cli.progress import EncodeProgress
+        from cachegraft_cli.retrieval.stored import build_store_index
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
@@ -118,7 +119,7 @@ class StoreAnswerer:
         return fusers
 
     def _asker(self, bench: str, system: str):
-        from cachegraft_cli.ask import Asker
+        from cachegraft_cli.answering.ask import Asker
 
         fuser = self._fuser_for(system)
         key = (bench, fuser or "closed")
@@ -128,9 +129,9 @@ class StoreAnswerer:
 
     def options(self, label: str, k: int):
         """AskOptions of a system label (`text@order=retrieval`): the run's assembly plus the label's overrides."""
-        from cachegraft_cli.ask import AskOptions
+        from cachegraft_cli.answering.ask import AskOptions
         from cachegraft_cli.evaluation.variants import parse_variant
-        from cachegraft_cli.generation import GenerationConfig
+        from cachegraft_cli.lm.generation import GenerationConfig
 
         c, variant = self.config, parse_variant(label)
         settings = {"scheme": c.scheme, "order": c.order, "recompute": c.recompute, "blend": c.blend,

@@ -224,7 +224,7 @@ LoadModel = Callable[[str], object]  # spec -> (model, tokenizer) or an object w
 
 
 def default_load_model(spec: str):
-    from cachegraft_cli.models import load_causal_lm  # lazy: heavy
+    from cachegraft_cli.lm.models import load_causal_lm  # lazy: heavy
 
     return load_causal_lm(spec)
 

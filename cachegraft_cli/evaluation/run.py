@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from cachegraft_cli.answering.systems import K_FREE_SYSTEMS  # closed: answered once (k=0), shared by every k
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.evaluation.datasets import (
     CORPUS_MODES,
@@ -31,7 +32,6 @@ from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY,
 from cachegraft_cli.evaluation.report import render_report
 from cachegraft_cli.evaluation.summary import COMPARISON_PAIRS, summarize
 from cachegraft_cli.evaluation.variants import base_system, check_variant
-from cachegraft_cli.systems import K_FREE_SYSTEMS  # closed: answered once (k=0), shared by every k
 
 
 class Answerer(Protocol):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cachegraft_cli.answering.systems import SYSTEMS as BASE_SYSTEMS
 from cachegraft_cli.errors import UsageError
-from cachegraft_cli.systems import SYSTEMS as BASE_SYSTEMS
 
 # override key -> type of its value
 KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
@@ -52,7 +52,7 @@ def check_variant(label: str) -> Variant:
     """Parse and check the overrides' values (before any model loads)."""
     from dataclasses import replace
 
-    from cachegraft_cli.assembly import AssemblyOptions
+    from cachegraft_cli.answering.assembly import AssemblyOptions
 
     variant = parse_variant(label)
     replace(AssemblyOptions(), **variant.overrides).check()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from cachegraft_cli.errors import CheckpointError, HubUnreachableError
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "fusers"
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
 
 def load_fuser(spec: str | None):
@@ -27,8 +27,8 @@ def place_fuser(fuser, device):
     (about 3x faster there than emulated bf16); elsewhere it keeps its own dtype."""
     import torch
 
-    from cachegraft_cli.models import cpu_has_fast_bf16
-    from cachegraft_cli.onednn import route_linears
+    from cachegraft_cli.lm.models import cpu_has_fast_bf16
+    from cachegraft_cli.lm.onednn import route_linears
 
     slow_bf16 = device.type == "cpu" and not cpu_has_fast_bf16()
     fuser = fuser.to(device=device, dtype=torch.float32 if slow_bf16 else fuser.dtype)

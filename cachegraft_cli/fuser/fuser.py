@@ -13,7 +13,7 @@ from torch import nn
 
 from cachegraft_cli.fuser.layermap import LayerMap, last_aligned
 from cachegraft_cli.fuser.projector import C2CProjector, ProjectorArgs
-from cachegraft_cli.kvcache import Geometry, PlainKV
+from cachegraft_cli.lm.kvcache import Geometry, PlainKV
 
 
 @dataclass

@@ -18,7 +18,7 @@ Safe to interrupt anywhere, and readers always see a consistent store:
    the old manifest keeps reading them; a later compaction deletes them.
 
 Killed before 2, the new segment is unlisted and holds nothing the store lacks:
-the next writer deletes it (`repair.recover`); killed after 2, the store is
+the next writer deletes it (`recover.recover`); killed after 2, the store is
 already compacted.
 """
 
@@ -42,6 +42,7 @@ from cachegraft_cli.store.layout import (
     now_iso,
     segment_dir,
     segment_file,
+    token_extent,
 )
 from cachegraft_cli.store.rows import SegmentTable
 
@@ -63,9 +64,9 @@ class CompactOptions:
 def compact(url: str, options: CompactOptions | None = None, progress=None,
             storage_options: dict | None = None) -> dict:
     """Merge runs of small segments of the store at `url`; returns a report."""
-    from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.lock import WriterLock
-    from cachegraft_cli.store.repair import recover
+    from cachegraft_cli.store.recover import recover
+    from cachegraft_cli.store.store import CacheStore
 
     options = options or CompactOptions()
     start = time.perf_counter()
@@ -136,11 +137,6 @@ def merge_segments(store, group: list[dict]) -> dict:
     entry = _entry(store, name, group, table, end)
     loc.write_json_atomic(segment_file(name, COMMIT), entry)
     return entry
-
-
-def token_extent(entry: dict) -> int:
-    """Length of a segment's token axis: its tokens, plus alignment gaps in a merged segment."""
-    return int(entry.get("token_extent", entry["tokens"]))
 
 
 def _layout(extents: list[int], align: int) -> tuple[list[int], int]:

@@ -104,3 +104,11 @@ def is_temp(name: str) -> bool:
 def rows_file(format_version: int) -> str:
     """The row-table file of a store's segments: format 1 wrote JSON, later formats numpy."""
     return ROWS if format_version < 2 else ROWS_BIN
+
+
+LISTED_BY = "driver"  # `run_info.listed_by` of a worker's segment: complete, but committed only once listed
+
+
+def token_extent(entry: dict) -> int:
+    """Length of a segment's token axis: its tokens, plus alignment gaps in a merged segment."""
+    return int(entry.get("token_extent", entry["tokens"]))

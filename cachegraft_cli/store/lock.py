@@ -69,7 +69,7 @@ class WriterLock:
         try:
             fh = open(self.loc.path(self.name), "a+b")
         except OSError as exc:
-            from cachegraft_cli.storage import write_error
+            from cachegraft_cli.store.oserrors import write_error
 
             raise write_error(exc, self.loc.path(self.name), "take the writer lock") from None
         try:
@@ -161,7 +161,7 @@ def lock_store(url, run_info: dict | None = None, storage_options: dict | None =
         try:
             os.makedirs(loc.root, exist_ok=True)
         except OSError as exc:
-            from cachegraft_cli.storage import write_error
+            from cachegraft_cli.store.oserrors import write_error
 
             raise write_error(exc, loc.root, "create the store directory") from None
     return WriterLock(loc, run_info).acquire()

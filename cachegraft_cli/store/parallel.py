@@ -8,7 +8,7 @@ the same bytes a `StoreWriter` writes, but no lock and no manifest. The driver
 then lists finished segments with `commit_segments`, one atomic manifest
 replace for any number of them. A worker that dies leaves an unlisted segment
 (half-written or complete): invisible, and deleted by the next writer (complete
-ones too: `repair.recover` adopts only segments whose own writer commits them).
+ones too: `recover.recover` adopts only segments whose own writer commits them).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 
 from cachegraft_cli.errors import StoreError
 from cachegraft_cli.store import segments
-from cachegraft_cli.store.layout import COMMIT, MANIFEST, now_iso, segment_file
+from cachegraft_cli.store.layout import COMMIT, LISTED_BY, MANIFEST, now_iso, segment_file
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.writer import StoreWriter
 
@@ -27,9 +27,6 @@ class _NotLocked:
 
     def release(self) -> None:
         pass
-
-
-LISTED_BY = "driver"  # `run_info.listed_by` of a worker's segment: complete, but committed only once listed
 
 
 class SegmentWriter(StoreWriter):

@@ -1,15 +1,4 @@
-"""Recovery and repair: what a writer does on taking the lock, and `cachegraft store repair`.
-
-`recover` (every writer, under the lock): delete uncommitted segments no
-manifest lists, then add committed ones that no manifest lists (a writer killed
-between its commit record and the manifest) when none of their ids is in the
-store yet: roll forward. A committed segment is deleted only when the store
-holds all of it already (every row's id with the same content hash: a
-compaction killed before its swap), when a repair replaced it, or when it is a
-parallel job's worker segment its driver never listed (`store.parallel`); one
-that overlaps the store otherwise is left for `repair`.
-Segments compaction retired (`manifest["retired"]`) are never touched: readers
-of an older manifest use them until their grace period ends.
+"""`cachegraft store repair`: bring a damaged store back to a consistent one.
 
 `repair` (on request, under the lock):
   1. a missing or unreadable manifest is rebuilt from the segments' commit records;
@@ -33,7 +22,6 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreCorruptError
 from cachegraft_cli.store import segments
-from cachegraft_cli.store.compact import token_extent
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
@@ -43,68 +31,13 @@ from cachegraft_cli.store.layout import (
     rows_file as layout_rows_file,
     segment_dir,
     segment_file,
+    token_extent,
 )
 from cachegraft_cli.store.location import Location
+from cachegraft_cli.store.recover import read_committed, recover
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
 
 TOOL = "cachegraft store repair"
-
-
-# ---------------------------------------------------------------- every writer
-
-
-def recover(store) -> dict:
-    """Under the writer lock: garbage out, committed orphans in (or out when the store holds
-    them already), the snapshot up to date."""
-    removed = segments.collect_garbage(store.loc)
-    store.refresh()
-    adopted, retired = [], []
-    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in store.segments}
-    for name in orphans(store):
-        entry, table = _read_committed(store.loc, name, store.rows_file)
-        if entry is None or table is None:
-            continue  # unreadable: left for `repair` to judge
-        if name in replaced or _unlisted_by_driver(entry) or _superseded(store, table):
-            segments.delete_segment(store.loc, name)
-            retired.append(name)
-        elif not any(pid in store for pid in table.ids):
-            segments.append_to_manifest(store.loc, entry)
-            store.refresh()
-            adopted.append(name)
-    return {"removed": removed, "adopted": adopted, "retired": retired}
-
-
-def _unlisted_by_driver(entry: dict) -> bool:
-    """A parallel job's worker segment (`store.parallel`): committed only when its driver lists
-    it. Found unlisted under the lock, its job is over; a re-run encodes it again in plan order."""
-    from cachegraft_cli.store.parallel import LISTED_BY
-
-    return (entry.get("run_info") or {}).get("listed_by") == LISTED_BY
-
-
-def _superseded(store, table: SegmentTable) -> bool:
-    """Whether the store holds every row of `table` already: the same (id, content hash) in a listed
-    segment, as the current row or one a later row replaces (compaction merges both, in order)."""
-    held = {(pid, t.content_hash(i)) for t in store.tables for i, pid in enumerate(t.ids)}
-    return all((pid, table.content_hash(i)) in held for i, pid in enumerate(table.ids))
-
-
-def orphans(store) -> list[str]:
-    """Committed segments the manifest neither lists nor keeps as retired, oldest first."""
-    return segments.committed_segments(store.loc, skip=segments.listed_names(segments.load_manifest(store.loc)))
-
-
-def _read_committed(loc: Location, name: str, rows_file: str) -> tuple[dict | None, SegmentTable | None]:
-    """(commit record, row table) of a committed segment, or (None, None) when either is unreadable
-    or they disagree."""
-    try:
-        entry = loc.read_json(segment_file(name, COMMIT))
-        (table,) = segments.load_tables(loc, [name], rows_file)
-    except (OSError, ValueError, StoreCorruptError):
-        return None, None
-    if not isinstance(entry, dict) or entry.get("name") != name or entry.get("rows") != len(table):
-        return None, None
-    return entry, table
 
 
 # ---------------------------------------------------------------- repair
@@ -167,7 +100,7 @@ def rebuild_manifest(loc: Location, rows_file: str) -> int:
     """A new manifest listing every readable committed segment in commit order, except
     segments a repair replaced or a compaction merged (those are kept as retired, for the
     grace period, as compaction keeps them). Returns how many it lists."""
-    found = [(name, *_read_committed(loc, name, rows_file)) for name in segments.committed_segments(loc)]
+    found = [(name, *read_committed(loc, name, rows_file)) for name in segments.committed_segments(loc)]
     entries = [entry for _, entry, _ in found if entry is not None]
     replaced = {(e.get("run_info") or {}).get("repaired_from") for e in entries}
     merged = {name for e in entries for name in (e.get("run_info") or {}).get("merged", [])}

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from cachegraft_cli.errors import StoreCorruptError
-from cachegraft_cli.packed import join_strings, pack_arrays, split_strings, unpack_arrays
+from cachegraft_cli.store.packed import join_strings, pack_arrays, split_strings, unpack_arrays
 
 INDEX_COLUMNS = ("id", "content_hash", "tokens", "offset", "parent_id", "chunk_index")
 CONTENT_COLUMNS = ("title", "text", "metadata")

@@ -85,7 +85,7 @@ def collect_garbage(loc: Location) -> list[str]:
     """Delete uncommitted segments no manifest lists (left by killed or aborted writers) and temp files.
 
     A segment with a commit record is never deleted here, listed or not: it is
-    complete, and `store.repair.recover` adopts it or deletes it once the store
+    complete, and `store.recover.recover` adopts it or deletes it once the store
     holds all of it. Segments compaction retired stay until their grace period
     ends (older readers use them). Only called while holding the writer lock, so
     nothing else is writing.

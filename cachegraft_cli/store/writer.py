@@ -5,7 +5,7 @@ Order of writes (what makes a SIGKILL at any point harmless):
   2. rows.json, content.json, then commit.json (the segment is complete)
   3. manifest.json replaced atomically with the new segment listed
 Until step 3 the segment is invisible. The next writer deletes unlisted segments
-that have no commit.json and adds committed ones to the manifest (`repair.recover`).
+that have no commit.json and adds committed ones to the manifest (`recover.recover`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from cachegraft_cli.store.layout import (
     segment_file,
 )
 from cachegraft_cli.store.lock import WriterLock
-from cachegraft_cli.store.repair import recover
+from cachegraft_cli.store.recover import recover
 from cachegraft_cli.store.rows import PassageRow, build_table, content_columns, content_hash_of
 
 

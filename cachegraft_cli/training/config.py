@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from cachegraft_cli.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE  # training matches what ask does by default
+from cachegraft_cli.answering.assembly import (  # training matches what ask does by default
+    DEFAULT_ORDER,
+    DEFAULT_RECOMPUTE,
+)
 from cachegraft_cli.errors import TrainingError
 
 OBJECTIVES = ("qa", "lm")
@@ -98,7 +101,7 @@ class TrainConfig:
                                 "Use e.g. --objective qa --passages-per-item 1,3,5 to train for asking at k = 1-5.")
         if self.distractors not in DISTRACTORS:
             raise TrainingError(f"Unknown distractors {self.distractors!r}.", f"Use one of: {', '.join(DISTRACTORS)}.")
-        from cachegraft_cli.assembly import AssemblyOptions
+        from cachegraft_cli.answering.assembly import AssemblyOptions
         from cachegraft_cli.errors import UsageError
 
         try:

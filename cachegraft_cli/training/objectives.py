@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cachegraft_cli import kvcache
+from cachegraft_cli.lm import kvcache
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def with_passages(items: list[Item], keys: list[str], lengths: dict[str, int], m
     past is the top K with the answer's passage kept (it replaces the K-th when
     retrieval missed it), in `order`; without, the answer's passage sits among
     K - 1 random others at a random slot."""
-    from cachegraft_cli.assembly import in_prompt_order
+    from cachegraft_cli.answering.assembly import in_prompt_order
 
     rng = random.Random(seed)
     shares = [mix[i % len(mix)] for i in range(len(items))]
@@ -233,8 +233,8 @@ def _plain_inputs(items: list[Item], lengths: list[int], n_prefix: int, pad: int
 def _recompute_inputs(items: list[Item], n_prefix: int, width: int, pad: int, dtype: torch.dtype):
     """Ids `recomputed passage tokens + question + answer` per item, with the 4D mask `ask` uses
     (`assembly.visibility`): the padded passage slots and the replaced stored copies hidden."""
-    from cachegraft_cli.assembly import visibility
-    from cachegraft_cli.generation import additive_mask
+    from cachegraft_cli.answering.assembly import visibility
+    from cachegraft_cli.lm.generation import additive_mask
 
     total = n_prefix + width
     reads = [[t for _, t in i.recompute] + list(i.ids) for i in items]

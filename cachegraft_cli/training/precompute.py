@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from cachegraft_cli.kvcache import PlainKV
+from cachegraft_cli.lm.kvcache import PlainKV
 
 
 def stack(kv: PlainKV) -> torch.Tensor:

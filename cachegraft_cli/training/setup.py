@@ -29,7 +29,7 @@ class Prepared:
 
 
 def load_models(config):
-    from cachegraft_cli.models import load_causal_lm
+    from cachegraft_cli.lm.models import load_causal_lm
 
     kw = dict(device=config.device or "cpu", dtype=config.model_dtype, trust_remote_code=config.trust_remote_code)
     receiver = load_causal_lm(config.receiver, **kw)
@@ -47,8 +47,8 @@ def sharer_geometry(config, sharer):
         return sharer.geometry
     from transformers import AutoConfig
 
-    from cachegraft_cli.kvcache import model_geometry
-    from cachegraft_cli.models import resolve_source
+    from cachegraft_cli.lm.kvcache import model_geometry
+    from cachegraft_cli.lm.models import resolve_source
 
     source, gguf, _ = resolve_source(config.sharer)
     try:
@@ -61,13 +61,13 @@ def sharer_geometry(config, sharer):
 
 
 def needs_alignment(receiver, sharer) -> bool:
-    from cachegraft_cli.align import same_vocabulary
+    from cachegraft_cli.lm.align import same_vocabulary
 
     return sharer is not None and not same_vocabulary(receiver.tokenizer, sharer.tokenizer)
 
 
 def template_for(config, receiver):
-    from cachegraft_cli.template import DEFAULT_INSTRUCTION, PromptTemplate
+    from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION, PromptTemplate
 
     return PromptTemplate.for_tokenizer(receiver.tokenizer, config.instruction or DEFAULT_INSTRUCTION)
 
@@ -121,7 +121,7 @@ def build_items(config, template, ids, keys, questions, passages):
 
 def rank_passages(questions, passages, depth: int) -> list[list[str]]:
     """Per question, the keys of the `depth` passages BM25 ranks first (the index `ask` uses by default)."""
-    from cachegraft_cli.retrieval import Doc, build_index
+    from cachegraft_cli.retrieval.index import Doc, build_index
 
     index = build_index([Doc(p.key, p.text, p.title) for p in passages], "bm25", progress=False)
     return [[h.id for h in hits] for hits in index.search_many([q.question for q in questions], depth)]
@@ -158,7 +158,7 @@ def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bo
     import time
 
     from cachegraft_cli.config import cache_dir
-    from cachegraft_cli.fusion import FusionEngine
+    from cachegraft_cli.fuser.fusion import FusionEngine
     from cachegraft_cli.training.precompute import CacheBank, bank_identity
 
     t0 = time.perf_counter()

@@ -1,0 +1,257 @@
+"""Answer questions from a store: retrieve -> load caches -> assemble -> generate.
+
+Systems (docs/method.md section 3; names in `systems.py`), all with the same template and ids:
+- graft: the receiver with fused passage caches (no sharer is loaded);
+- adapter: the same, from a store encoded with an adapter fuser (trained with
+  the sharer's input zeroed): isolates task adaptation from the sharer;
+- cache: the receiver with its own stored passage caches (`encode --also-own-cache`);
+- text: the receiver with the passages pasted as text;
+- closed: the receiver with no passages;
+- sharer-text: the sharer with the passages as text (reference ceiling).
+
+How stored caches are put together (passage order, position scheme, boundary
+and selective recompute) is `assembly.py`; the order applies to the text
+systems too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+from cachegraft_cli.answering.assembly import (
+    DEFAULT_ORDER,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEME,
+    ORDERS,
+    SCHEMES,
+    AssemblyOptions,
+    in_prompt_order,
+)
+from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_name, check_question
+from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
+from cachegraft_cli.lm.generation import GenerationConfig, Prompt
+
+__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
+
+
+@dataclass
+class AskOptions:
+    system: str = "graft"
+    k: int = 3
+    scheme: str = DEFAULT_SCHEME
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    order: str = DEFAULT_ORDER
+    recompute: int = DEFAULT_RECOMPUTE  # boundary tokens per passage after the first (stored-cache systems)
+    blend: float = 0.0  # CacheBlend-style share of the other passage tokens recomputed (opt-in: costs a forward)
+    blend_layer: int = 1
+
+    @property
+    def assembly(self) -> AssemblyOptions:
+        return AssemblyOptions(self.order, self.scheme, self.recompute, self.blend, self.blend_layer)
+
+    def check(self) -> None:
+        check_name(self.system)
+        if self.k < 1:
+            raise UsageError(f"-k must be at least 1, got {self.k}.", "Use e.g. -k 3.")
+        self.assembly.check()
+
+
+class Asker:
+    """Holds the store, the index and the models across questions (load once)."""
+
+    def __init__(self, store_url: str, overrides=None, index_kind: str | None = None, session=None):
+        """`session` reuses already loaded models (checked against the store's receiver)."""
+        from cachegraft_cli.session import session_for_store
+        from cachegraft_cli.store import CacheStore
+
+        self.store = CacheStore.open(store_url)
+        self.store_url = store_url
+        if len(self.store) == 0:
+            raise NoPassagesError(f"Store {store_url} has no passages.",
+                                  f"Run `cachegraft encode CORPUS --store {store_url}` first.")
+        self.session = session or session_for_store(self.store, overrides)
+        self.index_kind = index_kind
+
+    @cached_property
+    def index(self):
+        from cachegraft_cli.retrieval.stored import open_index
+
+        return open_index(self.store, self.store_url, self.index_kind)
+
+    @cached_property
+    def receiver(self):
+        from cachegraft_cli.session import check_receiver
+
+        check_receiver(self.store, self.session)
+        return self.session.receiver
+
+    @cached_property
+    def _assembler(self):
+        from cachegraft_cli.answering.assembly import Assembler
+        from cachegraft_cli.lm import kvcache
+
+        r = self.receiver
+        return Assembler(r, kvcache.from_token_major(self.store.prefix(), r.dtype, r.device))
+
+    def warm(self, system: str) -> None:
+        """Load the index and the models a system needs, so timings cover answering only."""
+        loaded = [self.index] if system != "closed" else []  # cached properties: touching them loads them
+        loaded.append(self.session.sharer if system == "sharer-text" else self.receiver)
+        if system in CACHE_KIND:
+            loaded.append(self._assembler)
+
+    def check_system(self, system: str) -> None:
+        """Refuse a system this store cannot serve (`systems.check_system`)."""
+        from cachegraft_cli.answering.systems import check_system
+
+        check_system(self.store, system)
+
+    def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
+        options.check()
+        self.check_system(options.system)
+        check_question(question)
+        from cachegraft_cli.lm.generation import generate
+
+        t0 = time.perf_counter()
+        hits = self.retrieve(question, options.k) if options.system != "closed" else []
+        t_retrieve = time.perf_counter()
+        lm, prompt = self._prompt(question, hits, options)
+        t_load = time.perf_counter()
+        gen = generate(lm, prompt, options.generation, on_text, t0)
+        timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
+        return _result(question, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings)
+
+    def retrieve(self, question: str, k: int):
+        hits = self.index.search(question, k)
+        if not hits:
+            raise NoPassagesError(
+                f"No passage matched the question {question!r}.",
+                "Rephrase it with words from the corpus, raise -k, or use a dense index (`cachegraft index --kind "
+                "dense`).",
+            )
+        return hits
+
+    def _prompt(self, question: str, hits, options: AskOptions) -> tuple[object, Prompt]:
+        """(model, prompt) for one question; `hits` in retrieval rank order."""
+        ids = [h.id for h in in_prompt_order(hits, options.order)]
+        if options.system in CACHE_KIND:
+            lm, prompt = self.receiver, self._assemble(ids, question, CACHE_KIND[options.system], options)
+        else:
+            lm, template = self._text_model(options.system)
+            rows = self.store.get_rows(ids)
+            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
+            prompt = Prompt.plain(None, tokens + template.question_ids(question), 0)
+        _check_context(lm, prompt, options.generation.max_new_tokens)
+        return lm, prompt
+
+    def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8) -> list[dict]:
+        """Answer questions in batches of `batch_size` (one batched decode each).
+
+        Timings: `load` (reading and assembling the question's caches) is the
+        question's own; what the batch does at once (retrieval, the batched
+        prefill and decode) is under `batch`, the same for every question of it."""
+        from cachegraft_cli.lm.generation import generate_batch
+
+        options.check()
+        self.check_system(options.system)
+        results = []
+        for i in range(0, len(questions), batch_size):
+            chunk = questions[i : i + batch_size]
+            t0 = time.perf_counter()
+            hit_lists = self._retrieve_many(chunk, options)
+            t_retrieve = time.perf_counter()
+            prompts, loads = [], []
+            for q, hits in zip(chunk, hit_lists):
+                start = time.perf_counter()
+                prompts.append(self._prompt(q, hits, options))
+                loads.append(time.perf_counter() - start)
+            t_load = time.perf_counter()
+            gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation)
+            first = gens[0].timings
+            shared = {"questions": len(chunk), "retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
+                      "prefill": first["prefill"], "first_token": t_load - t0 + first["first_token"],
+                      "total": t_load - t0 + first["total"]}
+            for q, hits, (_, prompt), gen, load in zip(chunk, hit_lists, prompts, gens, loads):
+                timings = {"load": load, "batch": {k: round(v, 4) for k, v in shared.items()}}
+                rows = self.store.get_rows([h.id for h in hits])
+                results.append(_result(q, gen, prompt, hits, rows, options, timings))
+        return results
+
+    def _retrieve_many(self, questions: list[str], options: AskOptions):
+        if options.system == "closed":
+            return [[] for _ in questions]
+        hit_lists = self.index.search_many(questions, options.k)
+        for q, hits in zip(questions, hit_lists):
+            if not hits:
+                self.retrieve(q, options.k)  # raises the no-passage error for this question
+        return hit_lists
+
+    def _text_model(self, system: str):
+        if system == "sharer-text":
+            from cachegraft_cli.lm.template import PromptTemplate
+
+            sharer = self.session.sharer
+            return sharer, PromptTemplate.for_tokenizer(sharer.tokenizer, self.session.choice.instruction)
+        return self.receiver, self.session.template
+
+    def _assemble(self, ids: list[str], question: str, kind: str, options: AskOptions) -> Prompt:
+        """The prompt over the stored caches of `ids` (prompt order): past, recomputed tokens, question."""
+        if kind not in self.store.kinds:
+            raise UsageError(
+                f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
+                "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` "
+                "system.",
+            )
+        arrays = self.store.read(ids, kind=kind)
+        assembly = options.assembly
+        needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
+        passage_ids = self._passage_ids(ids, arrays) if needs_ids else []
+        return self._assembler.prompt(arrays, passage_ids, self.session.template.question_ids(question), assembly)
+
+    def _passage_ids(self, ids: list[str], arrays) -> list[list[int]]:
+        """Token ids of the stored passages (re-tokenized), checked against their caches' lengths."""
+        template = self.session.template
+        out = []
+        for row, array in zip(self.store.get_rows(ids), arrays):
+            tokens = template.passage_ids(row.title, row.text)
+            if len(tokens) != len(array):
+                raise StoreMismatchError(
+                    f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache holds {len(array)}.",
+                    "The tokenizer differs from the one the store was encoded with; "
+                    "ask with --recompute 0, or re-encode.",
+                )
+            out.append(tokens)
+        return out
+
+
+def _check_context(lm, prompt: Prompt, max_new_tokens: int) -> None:
+    """Refuse a prompt the model cannot place: RoPE positions beyond its window."""
+    from cachegraft_cli.lm.models import context_window
+
+    window = context_window(lm)
+    need = prompt.end_position + max_new_tokens
+    if window is not None and need > window:
+        raise UsageError(
+            f"The prompt reaches position {prompt.end_position} and --max-new-tokens adds {max_new_tokens}: "
+            f"{need} positions, but {lm.spec} has a context window of {window}.",
+            "Lower -k (fewer passages) or --max-new-tokens.",
+        )
+
+
+def _result(question: str, gen, prompt: Prompt, hits, rows, options: AskOptions, timings: dict) -> dict:
+    stored = options.system in CACHE_KIND
+    return {
+        "question": question,
+        "answer": gen.text,
+        "passages": [{"id": h.id, "title": row.title, "score": round(float(h.score), 4)} for h, row in zip(hits, rows)],
+        "system": options.system,
+        "k": options.k,
+        "order": options.order if hits else None,
+        "scheme": options.scheme if stored else None,
+        "recompute": {"tokens": options.recompute, "blend": options.blend} if stored else None,
+        "timings": {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()},
+        "tokens": {"prompt": gen.prompt_tokens, "recomputed": prompt.recomputed, "generated": len(gen.token_ids)},
+    }

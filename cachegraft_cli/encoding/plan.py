@@ -1,0 +1,288 @@
+"""What encode does, in the vocabulary every runner shares: options, the summary, chunks
+(passages split to the token budget), the plan against a store's content hashes, commit
+windows, and the fusing of one window into a segment writer.
+
+The runners (`encoding.local` in this process, `encoding.ray` on a cluster) differ only in
+where windows are fused and who commits them; `encoding.run` picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.errors import CorpusError, UsageError
+from cachegraft_cli.session import ModelSession
+
+MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
+
+
+@dataclass
+class EncodeOptions:
+    codec: str | None = None  # None: the existing store's codec, bf16 for a new store
+    batch_size: int = 8
+    max_passage_tokens: int = 512
+    also_own_cache: bool = False
+    commit_every: int = 2000
+
+    def __post_init__(self):
+        from cachegraft_cli.store.codecs import CODECS
+
+        # checked here, before any model loads (tens of seconds)
+        if self.codec is not None and self.codec not in CODECS:
+            raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
+        _check_range("batch size", self.batch_size, 1, MAX_BATCH_SIZE)
+        _check_range("max passage tokens", self.max_passage_tokens, 16, 1 << 20)
+        _check_range("commit every", self.commit_every, 1, 1 << 30)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("fused", "own") if self.also_own_cache else ("fused",)
+
+
+def _check_range(what: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{what} must be a whole number from {low} to {high:,}; got {value!r}.",
+                         f"Pass a value from {low} to {high:,}.")
+
+
+@dataclass
+class EncodeSummary:
+    store: str
+    passages_read: int = 0
+    added: int = 0
+    skipped_existing: int = 0
+    skipped_bad: int = 0
+    chunks_split: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    bytes_per_token: float = 0.0
+    seconds: float = 0.0
+    segments: list[str] = field(default_factory=list)
+    skipped_reasons: dict = field(default_factory=dict)
+    fuser: str | None = None  # the fuser spec the store's caches come from ("closed": none)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def finish(self) -> None:
+        self.bytes_per_token = round(self.bytes / self.tokens, 2) if self.tokens else 0.0
+
+
+@dataclass
+class Chunk:
+    """One unit of encoding: a passage, or a piece of a long one."""
+
+    passage: Passage
+    text: str
+    ids: list[int]
+    block: str
+    index: int | None = None
+    span: tuple[int, int] | None = None
+
+    @cached_property
+    def content_hash(self) -> str:
+        """sha256 of the exact block the cache is computed from."""
+        from cachegraft_cli.store import content_hash_of
+
+        return content_hash_of(self.block)
+
+    @property
+    def id(self) -> str:
+        return self.passage.id if self.index is None else f"{self.passage.id}#{self.index}"
+
+    def row(self):
+        """The store row this chunk is written as (a piece of a long passage names its parent and span)."""
+        from cachegraft_cli.store import PassageRow
+
+        p = self.passage
+        meta = dict(p.metadata)
+        if self.span is not None:
+            meta["char_span"] = list(self.span)
+        return PassageRow(
+            id=self.id,
+            title=p.title,
+            text=self.text,
+            content_hash=self.content_hash,
+            metadata=meta,
+            parent_id=p.id if self.index is not None else None,
+            chunk_index=self.index,
+        )
+
+    def to_record(self) -> dict:
+        """A plain-JSON form, to hand a planned chunk to another process (a Ray actor).
+
+        The passage's full text is not carried: a chunk's row needs only its own piece."""
+        p = self.passage
+        return {"id": p.id, "title": p.title, "metadata": p.metadata, "source": p.source, "line": p.line,
+                "text": self.text, "ids": self.ids, "block": self.block, "index": self.index,
+                "span": list(self.span) if self.span is not None else None}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Chunk:
+        passage = Passage(record["id"], record["title"], record["text"], record["metadata"], record["source"],
+                          record["line"])
+        span = tuple(record["span"]) if record["span"] is not None else None
+        return cls(passage, record["text"], list(record["ids"]), record["block"], record["index"], span)
+
+
+def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
+    """Token-aware split of a passage that does not fit `max_tokens` (never truncates).
+
+    Cuts fall on token boundaries, preferring whitespace; each chunk carries
+    the passage title and its character span in the original text.
+    """
+    text = passage.text.strip()
+    ids = template.passage_ids(passage.title, text)
+    if len(ids) <= max_tokens:
+        return [Chunk(passage, text, ids, template.passage_block(passage.title, text))]
+    budget = max(8, max_tokens - len(template.passage_ids(passage.title, "")))
+    while True:  # re-tokenising a piece with its title can merge or split a few tokens: shrink until all fit
+        chunks = _chunks(passage, text, template, budget)
+        if all(len(c.ids) <= max_tokens for c in chunks) or budget <= 8:
+            return chunks
+        budget -= max(1, budget // 16)
+
+
+def _chunks(passage: Passage, text: str, template, budget: int) -> list[Chunk]:
+    chunks = []
+    for index, (a, b) in enumerate(_spans(text, template.tokenizer, budget)):
+        piece = text[a:b].strip()
+        chunks.append(Chunk(passage, piece, template.passage_ids(passage.title, piece),
+                            template.passage_block(passage.title, piece), index, (a, b)))
+    return chunks
+
+
+def _spans(text: str, tokenizer, budget: int) -> list[tuple[int, int]]:
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    spans, first = [], 0
+    while first < len(offsets):
+        last = min(first + budget, len(offsets)) - 1
+        cut = _whitespace_cut(text, offsets, first, last)
+        spans.append((offsets[first][0], offsets[cut][1]))
+        first = cut + 1
+    spans[-1] = (spans[-1][0], len(text))
+    return spans
+
+
+def _whitespace_cut(text: str, offsets, first: int, last: int) -> int:
+    """Index of the last token of this chunk: prefer one that ends before a space."""
+    if last == len(offsets) - 1:
+        return last
+    for i in range(last, first + (last - first) // 2, -1):
+        end = offsets[i][1]
+        if end < len(text) and text[end].isspace():
+            return i
+    return last
+
+
+def _label(source: str) -> str:
+    return "<stdin>" if source == "-" else source
+
+
+def check_corpus(reader) -> int:
+    """Read the whole corpus once (streamed) and check every record; the passage count.
+    An input that yields no passage at all is an error, not an empty store."""
+    count = reader.validate()
+    if count:
+        return count
+    skipped = sum(reader.skipped.values())
+    if skipped:
+        raise CorpusError(f"{reader.source}: every record was bad ({skipped} skipped: "
+                          f"{', '.join(f'{n} {why}' for why, n in reader.skipped.items())}).",
+                          "Fix the input; nothing was written.")
+    if reader.format == "dir":
+        raise CorpusError(f"{reader.source}: no readable .txt or .md file in this directory.",
+                          "Point at a directory of .txt/.md files, or at a JSONL/CSV/JSON corpus.")
+    raise CorpusError(f"{_label(reader.source)}: the corpus holds no passages.",
+                      "Give a corpus with at least one passage.")
+
+
+def plan_chunks(passages, known: dict, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
+    """The chunks to encode, as a list (an engine that ships them elsewhere); see `new_chunks`."""
+    return list(new_chunks(passages, known, template, options, summary))
+
+
+def new_chunks(passages, known: dict, template, options: EncodeOptions,
+               summary: EncodeSummary | None = None) -> Iterator[Chunk]:
+    """Every chunk of `passages` the store lacks, in corpus order, each checked against the
+    store: same id, same content hash is stored already (identical text under two ids is
+    stored twice); same id, other text is refused. A passage stored whole is recognised by
+    its hash alone; only the others are tokenised. Counted into `summary` when given."""
+    from cachegraft_cli.lm.template import passage_block
+    from cachegraft_cli.store import content_hash_of
+
+    seen: set[str] = set()
+    for passage in passages:
+        if summary is not None:
+            summary.passages_read += 1
+        if known and known.get(passage.id) == content_hash_of(passage_block(passage.title, passage.text)):
+            if summary is not None:
+                summary.skipped_existing += 1
+            continue
+        chunks = split_passage(passage, template, options.max_passage_tokens)
+        if summary is not None:
+            summary.chunks_split += len(chunks) - 1
+        for chunk in chunks:
+            _check_changed(chunk, known, chunk.content_hash)
+            if known.get(chunk.id) == chunk.content_hash or chunk.id in seen:  # stored already, or a repeat
+                if summary is not None:
+                    summary.skipped_existing += 1
+                continue
+            seen.add(chunk.id)
+            yield chunk
+
+
+def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
+    if chunk.id in known and known[chunk.id] != digest:
+        where = f"{chunk.passage.source}:{chunk.passage.line}" if chunk.passage.line else chunk.passage.source
+        raise CorpusError(
+            f"{where}: passage {chunk.id!r} is already in the store with different text.",
+            "Stores are append-only: give the changed passage a new id, or encode into a new --store.",
+        )
+
+
+def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[list[Chunk]]:
+    """The planned chunks cut into commit windows: one segment each, whatever engine writes them.
+    Streamed: only one window is held at a time."""
+    window: list[Chunk] = []
+    for chunk in todo:
+        window.append(chunk)
+        if len(window) == options.commit_every:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def run_info(window: list[Chunk], engine: str = "local") -> dict:
+    info = {"tool": "cachegraft encode", "passages": len(window)}
+    return info if engine == "local" else {**info, "engine": engine}
+
+
+def encode_window(window: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary,
+                  progress=None) -> None:
+    """Fuse one window's chunks into `writer` (not committed), in the local engine's batches:
+    the same window always gives the same batches, so the same bits on the same hardware."""
+    for batch in _batches(window, options.batch_size):
+        _encode_batch(batch, writer, session, options, summary)
+        if progress:
+            progress(len(batch), sum(len(c.ids) for c in batch))
+
+
+def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
+    ordered = sorted(chunks, key=lambda c: len(c.ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary) -> None:
+    from cachegraft_cli.lm import kvcache
+
+    for chunk, kv in zip(batch, session.engine().fuse([c.ids for c in batch])):
+        caches = {"fused": kvcache.to_token_major(kv.fused)}
+        if "own" in writer.store.kinds:
+            caches["own"] = kvcache.to_token_major(kv.own)
+        writer.add(chunk.row(), caches)
+        summary.added += 1
+        summary.tokens += len(chunk.ids)

@@ -1,0 +1,53 @@
+"""`encode`'s one entry point: the models the user chose, then the runner (local or Ray)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encoding.local import encode_corpus
+from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
+from cachegraft_cli.session import ModelSession
+
+
+def encode_into(
+    store_url: str,
+    passages: Iterable[Passage],
+    options: EncodeOptions | None = None,
+    *,
+    preset: str | None = None,
+    receiver: str | None = None,
+    sharer: str | None = None,
+    fuser: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    instruction: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    ray=None,
+    planned: Callable[[int], None] | None = None,
+) -> EncodeSummary:
+    """Encode passages into a store with the models the user chose: a new store takes the
+    preset (or the paper's pair) with overrides, an existing one its own models
+    (`session.choice_for_encode`). `ray` (`engines.ray_engine.RayOptions`) runs the
+    fusion on Ray actors instead of in this process; the store is the same. `passages` is
+    read more than once (see `encode_corpus`); `planned(n)` hears how many chunks will be
+    encoded, once the plan under the lock knows it."""
+    from dataclasses import replace
+
+    from cachegraft_cli.session import choice_for_encode, open_existing
+    from cachegraft_cli.store.preflight import check_target
+
+    options = options or EncodeOptions()
+    check_target(store_url, options.codec, options.kinds)  # a file, a foreign directory, a lost manifest: first
+    store = open_existing(store_url)
+    choice = choice_for_encode(store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
+                               trust_remote_code=trust_remote_code or None, instruction=instruction).check()
+    if ray is None:
+        return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store,
+                             planned=planned)
+    from cachegraft_cli.encoding.ray.driver import encode_on_ray
+
+    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
+    return encode_on_ray(passages, store_url, choice, replace(options, codec=codec), ray, progress=progress,
+                         planned=planned)

@@ -1,0 +1,343 @@
+"""Decoding from a prepared cache with explicit RoPE positions.
+
+The cache slots and the RoPE positions need not agree (the `shared` position
+scheme puts several passages at the same positions), so positions are passed
+explicitly; the causal mask follows cache slots, which is what we want: the
+question sees every cached slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cachegraft_cli.lm import kvcache
+from cachegraft_cli.lm.kvcache import PlainKV
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 48
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Prompt:
+    """What the receiver reads in its first forward after a past.
+
+    `ids` are read at `positions`. With `visible` None every id sees the whole
+    past and the ids before it (plain causal). Otherwise `visible` is a boolean
+    `(len(ids), past slots + len(ids))` matrix saying which slots each id sees,
+    and `hidden` lists past slots that the answer must not see: stored passage
+    tokens that `ids` recompute in context (see `assembly.py`).
+    """
+
+    past: PlainKV | None
+    ids: list[int]
+    positions: list[int]
+    visible: torch.Tensor | None = None
+    hidden: list[int] = field(default_factory=list)
+    recomputed: int = 0  # how many of `ids` (the first ones) are recomputed passage tokens
+
+    @classmethod
+    def plain(cls, past: PlainKV | None, ids: list[int], start: int) -> "Prompt":
+        return cls(past, list(ids), list(range(start, start + len(ids))))
+
+    @property
+    def past_tokens(self) -> int:
+        return kvcache.num_tokens(self.past) if self.past else 0
+
+    @property
+    def question_tokens(self) -> int:
+        return len(self.ids) - self.recomputed
+
+    @property
+    def end_position(self) -> int:
+        """The position after the last id: where generated tokens go."""
+        return self.positions[-1] + 1 if self.positions else 0
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    timings: dict = field(default_factory=dict)  # prefill, first_token, total (seconds)
+
+
+def stop_ids(lm) -> set[int]:
+    """End-of-turn ids of a model, worked out once per loaded model (asked every answer)."""
+    cached = getattr(lm, "_stop_ids", None)
+    if cached is None:
+        cached = lm._stop_ids = _find_stop_ids(lm)
+    return cached
+
+
+def _find_stop_ids(lm) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    unk = lm.tokenizer.unk_token_id
+    for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"):
+        tid = lm.tokenizer.convert_tokens_to_ids(token)  # no get_vocab(): it builds a 150k-entry dict
+        if tid is not None and tid != unk:
+            ids.add(tid)
+    return ids
+
+
+@torch.inference_mode()
+def generate(
+    lm,
+    prompt: Prompt,
+    config: GenerationConfig | None = None,
+    on_text: Callable[[str], None] | None = None,
+    started: float | None = None,
+) -> Generation:
+    """Generate after `prompt.past` (batched KV, batch 1), reading `prompt.ids` first.
+
+    `started` is when the caller began the request, so `first_token` covers
+    retrieval and cache loading too.
+    """
+    config = config or GenerationConfig()
+    t_call = time.perf_counter()
+    t0 = started if started is not None else t_call
+    step = _Stepper(lm, prompt)
+    logits = step.first()
+    t_prefill = time.perf_counter()
+    out, stops, streamer = [], stop_ids(lm), _Streamer(lm.tokenizer, on_text)
+    rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    t_first = None
+    for _ in range(config.max_new_tokens):
+        token = _pick(logits, config, rng)
+        t_first = t_first or time.perf_counter()
+        if token in stops:
+            break
+        out.append(token)
+        streamer.push(out)
+        if len(out) == config.max_new_tokens:
+            break  # no forward pass for a token that would never be read
+        logits = step([token])
+    t_end = time.perf_counter()
+    text = lm.tokenizer.decode(out, skip_special_tokens=True).strip()
+    timings = {"prefill": t_prefill - t_call, "first_token": (t_first or t_end) - t0, "total": t_end - t0}
+    return Generation(out, text, prompt.question_tokens, timings)
+
+
+@torch.inference_mode()
+def prompt_logits(lm, prompt: Prompt) -> torch.Tensor:
+    """Float32 logits at every question token of `prompt` (its first forward), `(tokens, vocab)`."""
+    cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
+    kwargs = {}
+    if prompt.visible is not None:
+        kwargs["attention_mask"] = additive_mask(prompt.visible, lm.dtype).to(lm.device)
+    out = lm.model(input_ids=torch.tensor([prompt.ids], device=lm.device), cache=cache,
+                   position_ids=torch.tensor([prompt.positions], device=lm.device), **kwargs)
+    return out.logits[0, prompt.recomputed :].float()
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility `(..., queries, keys)` -> the additive 4D mask transformers takes as is."""
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
+
+
+class _Stepper:
+    """Feeds tokens at explicit positions, growing the cache.
+
+    A prompt with a visibility matrix gets it as a 4D mask in the first
+    forward; afterwards a 2D mask keeps its hidden slots out of sight.
+    """
+
+    def __init__(self, lm, prompt: Prompt):
+        self.lm, self.prompt = lm, prompt
+        self.cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
+        self.position = prompt.end_position
+        self.mask: torch.Tensor | None = None
+
+    def first(self) -> torch.Tensor:
+        p, device = self.prompt, self.lm.device
+        kwargs: dict[str, torch.Tensor] = {}
+        if p.visible is not None:
+            kwargs["attention_mask"] = additive_mask(p.visible, self.lm.dtype).to(device)
+            seen = torch.ones(p.past_tokens + len(p.ids), dtype=torch.long)
+            seen[p.hidden] = 0
+            self.mask = seen[None]
+        return self._forward(p.ids, torch.tensor([p.positions], device=device), **kwargs)
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        positions = torch.arange(self.position, self.position + len(ids), device=self.lm.device)[None]
+        self.position += len(ids)
+        kwargs: dict[str, torch.Tensor] = {}
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
+            kwargs["attention_mask"] = self.mask.to(self.lm.device)
+        return self._forward(ids, positions, **kwargs)
+
+    def _forward(self, ids: list[int], positions: torch.Tensor, **kwargs) -> torch.Tensor:
+        out = self.lm.model(
+            input_ids=torch.tensor([ids], device=self.lm.device),
+            cache=self.cache,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        self.cache = out.cache
+        return out.logits[0, -1].float()
+
+
+def _pick(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
+    if config.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / config.temperature, dim=-1)
+    if config.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < config.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=rng))
+
+
+class _Streamer:
+    """Emits the newly decoded text after each token (whole characters only)."""
+
+    def __init__(self, tokenizer, on_text):
+        self.tokenizer, self.on_text, self.sent = tokenizer, on_text, 0
+
+    def push(self, ids: list[int]) -> None:
+        if self.on_text is None:
+            return
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        self.on_text(text[self.sent :])
+        self.sent = len(text)
+
+
+@torch.inference_mode()
+def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = None) -> list[Generation]:
+    """Greedy/sampled decoding of several prompts at once, each with its own past.
+
+    Rows are left-padded twice: the pasts to the longest past, the inputs to
+    the longest input; pads (and each prompt's hidden slots) are masked out, so
+    each row computes what it would alone (up to float summation order).
+    """
+    config = config or GenerationConfig()
+    t0 = time.perf_counter()
+    past, past_mask = _pad_pasts([p.past for p in prompts])
+    ids, positions, qmask = _pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
+    for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
+        past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
+    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
+    if any(p.visible is not None for p in prompts):
+        logits = step.first(ids, positions, qmask, _batch_visibility(prompts, past_mask, qmask))
+    else:
+        logits = step(ids, positions, qmask)
+    t_prefill = time.perf_counter()
+    rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config)
+    t_end = time.perf_counter()
+    timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
+    decode = lm.tokenizer.decode
+    return [Generation(out, decode(out, skip_special_tokens=True).strip(), p.question_tokens, dict(timings))
+            for out, p in zip(rows, prompts)]
+
+
+def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
+    stops = stop_ids(lm)
+    rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    done = [False] * len(rows)
+    rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    for n in range(config.max_new_tokens):
+        tokens = [_pick(row_logits, config, rng) for row_logits in logits]
+        for i, t in enumerate(tokens):
+            done[i] = done[i] or t in stops
+            if not done[i]:
+                rows[i].append(t)
+        if all(done) or n + 1 == config.max_new_tokens:
+            break
+        ones = torch.ones(len(rows), 1, dtype=torch.long)
+        logits = step(torch.tensor(tokens)[:, None], next_pos[:, None], ones)
+        next_pos = next_pos + 1
+    return rows
+
+
+def _pad_pasts(pasts: list[PlainKV | None]):
+    lengths = [kvcache.num_tokens(p) if p else 0 for p in pasts]
+    width = max(lengths)
+    if width == 0:
+        return None, torch.zeros(len(pasts), 0, dtype=torch.long)
+    ref = next(p for p in pasts if p)
+    layers = []
+    for layer in range(len(ref)):
+        k0, v0 = ref[layer]
+        k = k0.new_zeros((len(pasts), k0.shape[-3], width, k0.shape[-1]))
+        v = v0.new_zeros((len(pasts), v0.shape[-3], width, v0.shape[-1]))
+        for i, p in enumerate(pasts):
+            if p:
+                k[i, :, width - lengths[i] :] = p[layer][0][0]
+                v[i, :, width - lengths[i] :] = p[layer][1][0]
+        layers.append((k, v))
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    return layers, mask
+
+
+def _pad_inputs(prompts: list[Prompt], pad: int):
+    width = max(len(p.ids) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p.ids)) + list(p.ids) for p in prompts])
+    positions = torch.tensor([[p.positions[0]] * (width - len(p.ids)) + list(p.positions) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
+    return ids, positions, mask
+
+
+def _batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, inputs, past + inputs): each row's own visibility moved to its padded place.
+    Rows without one see what a plain causal prompt sees; pad queries see only themselves."""
+    batch, width = qmask.shape
+    past_width = past_mask.shape[1]
+    out = torch.zeros(batch, 1, width, past_width + width, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        n, q0, p0 = len(p.ids), width - len(p.ids), past_width - p.past_tokens
+        if p.visible is not None:
+            out[row, 0, q0:, p0:past_width] = p.visible[:, : p.past_tokens]
+            out[row, 0, q0:, past_width + q0 :] = p.visible[:, p.past_tokens :]
+        else:
+            out[row, 0, q0:, :past_width] = past_mask[row].bool()
+            out[row, 0, q0:, past_width + q0 :] = torch.ones(n, n, dtype=torch.bool).tril()
+        for q in range(q0):
+            out[row, 0, q, past_width + q] = True
+    return out
+
+
+class _BatchStepper:
+    """Feeds a batch of tokens at explicit positions with a growing 2D mask."""
+
+    def __init__(self, lm, cache, mask):
+        self.lm, self.cache, self.mask = lm, cache, mask
+
+    def first(self, ids, positions, new_mask, visible) -> torch.Tensor:
+        """The first forward with a 4D mask; later steps use the 2D mask of what stays visible."""
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        return self._forward(ids, positions, additive_mask(visible, self.lm.dtype))
+
+    def __call__(self, ids, positions, new_mask) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        return self._forward(ids, positions, self.mask)
+
+    def _forward(self, ids, positions, mask) -> torch.Tensor:
+        device = self.lm.device
+        out = self.lm.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            cache=self.cache,
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.cache
+        return out.logits[:, -1].float()

@@ -1,0 +1,150 @@
+"""`cachegraft encode`: idempotent, resumable, appends without rewriting,
+splits long passages, survives SIGKILL."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encoding.local import encode_corpus
+from cachegraft_cli.encoding.plan import EncodeOptions, split_passage
+from cachegraft_cli.errors import CorpusError, StoreMismatchError
+from cachegraft_cli.session import ModelChoice, ModelSession
+from cachegraft_cli.store import CacheStore
+
+TEXTS = [
+    "Harbor town was founded in 1820 by fishermen who built the first lighthouse.",
+    "The treaty was signed in Vienna after long talks between the two empires.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Numbers like 1234, 56.7 and 8% appear in reports every single year.",
+    "Question: who built the lighthouse? Answer: the fishermen of Harbor town.",
+]
+
+
+def _passages(n, start=0):
+    return [Passage(f"p{i}", f"Title {i}", TEXTS[i % len(TEXTS)] + f" Item {i}.") for i in range(start, start + n)]
+
+
+@pytest.fixture(scope="module")
+def session(tiny_dirs):
+    return ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
+
+
+def _files(store_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(store_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((store_dir / "segments").rglob("*")) if p.is_file()}
+
+
+def test_rerun_is_idempotent_and_append_keeps_old_chunks(session, tmp_path):
+    url = str(tmp_path / "s")
+    first = encode_corpus(_passages(3), url, session, EncodeOptions(codec="float32", batch_size=2))
+    assert first.added == 3 and len(first.segments) == 1
+    before = _files(tmp_path / "s")
+    again = encode_corpus(_passages(3), url, session, EncodeOptions(codec="float32"))
+    assert again.added == 0 and again.skipped_existing == 3 and again.segments == []
+    more = encode_corpus(_passages(5), url, session, EncodeOptions(codec="float32"))
+    assert more.added == 2 and more.skipped_existing == 3
+    after = _files(tmp_path / "s")
+    assert all(after[name] == digest for name, digest in before.items())  # nothing rewritten
+    store = CacheStore.open(url)
+    assert sorted(store.ids()) == [f"p{i}" for i in range(5)] and store.verify()["ok"]
+
+
+def test_changed_text_for_a_stored_id_is_refused(session, tmp_path):
+    url = str(tmp_path / "s")
+    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))
+    changed = [Passage("p1", "Title 1", "Completely different text now.", source="c.jsonl", line=2)]
+    with pytest.raises(CorpusError, match=r"c\.jsonl:2: passage 'p1' is already in the store"):
+        encode_corpus(changed, url, session, EncodeOptions(codec="float32"))
+
+
+def test_codec_change_never_reuses_the_store(session, tmp_path):
+    url = str(tmp_path / "s")
+    encode_corpus(_passages(1), url, session, EncodeOptions(codec="float32"))
+    with pytest.raises(StoreMismatchError, match="codec"):
+        encode_corpus(_passages(1), url, session, EncodeOptions(codec="bf16"))
+
+
+def test_long_passages_are_split_never_truncated(session):
+    template = session.template
+    long = Passage("long", "A title", " ".join(TEXTS * 3))
+    chunks = split_passage(long, template, max_tokens=40)
+    assert len(chunks) > 2
+    assert all(len(c.ids) <= 40 for c in chunks)
+    assert [c.id for c in chunks] == [f"long#{i}" for i in range(len(chunks))]
+    assert " ".join(c.text for c in chunks).split() == long.text.split()  # every word kept, in order
+    spans = [c.span for c in chunks]
+    assert spans[0][0] == 0 and spans[-1][1] == len(long.text) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_split_is_recorded_in_the_store(session, tmp_path):
+    url = str(tmp_path / "s")
+    summary = encode_corpus([Passage("long", "T", " ".join(TEXTS * 2))], url, session,
+                            EncodeOptions(codec="float32", max_passage_tokens=48))
+    rows = CacheStore.open(url).rows()
+    assert summary.chunks_split == len(rows) - 1 > 0
+    assert {r.parent_id for r in rows} == {"long"} and sorted(r.chunk_index for r in rows) == list(range(len(rows)))
+    assert all("char_span" in r.metadata for r in rows)
+
+
+def _encode_cmd(corpus, store, receiver, commit_every):
+    return [sys.executable, "-m", "cachegraft_cli", "encode", str(corpus), "--store", str(store), "--receiver",
+            str(receiver), "--dtype", "float32", "--codec", "float32", "--batch-size", "1", "--commit-every",
+            str(commit_every), "--json"]
+
+
+def test_sigkill_mid_encode_then_rerun_equals_uninterrupted(tiny_dirs, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in _passages(12)))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_encode_cmd(corpus, killed, tiny_dirs["receiver"], 1), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manifest = killed / "manifest.json"
+    deadline = time.time() + 600  # start-up (torch import, model load) is slow on a loaded machine
+    while time.time() < deadline and proc.poll() is None:
+        if manifest.exists() and len(json.loads(manifest.read_text()).get("segments", [])) >= 2:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "encode finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = CacheStore.open(str(killed))
+    assert partial.verify()["ok"] and 2 <= len(partial) < 12
+    subprocess.run(_encode_cmd(corpus, killed, tiny_dirs["receiver"], 1), env=env, check=True, capture_output=True)
+    clean = tmp_path / "clean"
+    subprocess.run(_encode_cmd(corpus, clean, tiny_dirs["receiver"], 100), env=env, check=True, capture_output=True)
+    a, b = CacheStore.open(str(killed)), CacheStore.open(str(clean))
+    ids = [f"p{i}" for i in range(12)]
+    assert sorted(a.ids()) == sorted(ids) and len(a) == 12 and a.verify()["ok"]
+    for x, y in zip(a.read(ids), b.read(ids)):
+        assert np.array_equal(x, y)
+
+
+def test_store_with_own_caches_keeps_them_and_cannot_gain_them(session, tmp_path):
+    url = str(tmp_path / "s")
+    encode_corpus(_passages(1), url, session, EncodeOptions(codec="float32", also_own_cache=True))
+    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))  # own caches written anyway
+    store = CacheStore.open(url)
+    assert store.kinds == ("fused", "own") and len(store.read(["p1"], kind="own")) == 1
+    plain = str(tmp_path / "plain")
+    encode_corpus(_passages(1), plain, session, EncodeOptions(codec="float32"))
+    with pytest.raises(StoreMismatchError, match="without own caches"):
+        encode_corpus(_passages(2), plain, session, EncodeOptions(codec="float32", also_own_cache=True))
+
+
+def test_unknown_codec_fails_before_any_model_loads():
+    from cachegraft_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="int5") as exc:
+        EncodeOptions(codec="int5")
+    assert "int4" in exc.value.hint
