@@ -82,7 +82,7 @@ def run(args) -> dict:
     chunks = [c for p in squad_passages(args.squad, args.n) for c in split_passage(p, session.template, 512)]
     batches = [chunks[i : i + args.batch_size] for i in range(0, len(chunks), args.batch_size)]
     store = session.open_or_create_store(tempfile.mkdtemp(prefix="enc-store-") + "/s", args.codec, False)
-    engine = session.engine()
+    engine = session.fusion()
     engine.fuse([batches[0][0].ids])  # warm-up
     times = {"fuse_only": 0.0, "fuse_and_write": 0.0}
     with store.writer({"tool": "benchmark"}) as writer:

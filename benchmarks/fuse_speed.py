@@ -5,9 +5,9 @@ open gates, tokenizes N SQuAD passages with the shared prompt template, and
 times three conditions per batch size, interleaved batch by batch (the order
 rotates every batch) so that drift in machine load hits all of them alike:
 
-- receiver: `FusionEngine(receiver, prefix)` (no sharer) -> receiver prefill
-- sharer:   `FusionEngine(sharer, prefix)` the same way -> sharer prefill
-- fuse:     `FusionEngine(receiver, prefix, sharer, fuser)` -> full fuse,
+- receiver: `PassageFusion(receiver, prefix)` (no sharer) -> receiver prefill
+- sharer:   `PassageFusion(sharer, prefix)` the same way -> sharer prefill
+- fuse:     `PassageFusion(receiver, prefix, sharer, fuser)` -> full fuse,
             once with the fuser in float32 (its default) and once cast to bf16;
             `--fuser SPEC` adds a trained fuser (its own width and dtype)
 
@@ -52,7 +52,7 @@ from cachegraft_cli import fusion  # noqa: E402
 from cachegraft_cli.config import pulled_models_dir  # noqa: E402
 from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
 from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
-from cachegraft_cli.fuser.fusion import FusionEngine  # noqa: E402
+from cachegraft_cli.fuser.fusion import PassageFusion  # noqa: E402
 from cachegraft_cli.lm.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
 from cachegraft_cli.lm.template import PromptTemplate  # noqa: E402
 
@@ -118,11 +118,11 @@ def cast_fuser(fuser: Fuser, dtype: torch.dtype) -> Fuser:
 def build_conditions(receiver, sharer, fusers: dict, prefix: list[int]) -> dict:
     """Condition name -> engine; every engine's `fuse(batch)` is what gets timed."""
     conditions = {
-        "receiver": FusionEngine(receiver, prefix),
-        "sharer": FusionEngine(sharer, prefix),  # same tokenizer: same ids
+        "receiver": PassageFusion(receiver, prefix),
+        "sharer": PassageFusion(sharer, prefix),  # same tokenizer: same ids
     }
     for dtype, fuser in fusers.items():
-        conditions[f"fuse_{dtype}"] = FusionEngine(receiver, prefix, sharer, fuser)
+        conditions[f"fuse_{dtype}"] = PassageFusion(receiver, prefix, sharer, fuser)
     return conditions
 
 
@@ -235,8 +235,8 @@ def print_top_ops(fn, label: str) -> None:
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def ext(engine: FusionEngine, role: str, batch: list[list[int]]):
-    """The passage pass `FusionEngine.fuse` makes for one model."""
+def ext(engine: PassageFusion, role: str, batch: list[list[int]]):
+    """The passage pass `PassageFusion.fuse` makes for one model."""
     return engine.passage_pass(role, batch)
 
 

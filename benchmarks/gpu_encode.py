@@ -1,4 +1,4 @@
-"""GPU encode throughput of `FusionEngine.fuse` vs. the receiver's and sharer's own prefill.
+"""GPU encode throughput of `PassageFusion.fuse` vs. the receiver's and sharer's own prefill.
 
 Self-contained: Qwen3-0.6B-shaped receiver and Qwen3-4B-shaped sharer with
 random weights (built from configs on the device, bf16, nothing downloaded),
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cachegraft_cli.fuser.fuser import Fuser
-from cachegraft_cli.fuser.fusion import FusionEngine
+from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm.models import LoadedModel
 
 VOCAB = 151936
@@ -48,7 +48,7 @@ TINY_SHARER = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, n
 
 @dataclass
 class StubTokenizer:
-    """All FusionEngine needs of a tokenizer when both models share one: a pad id,
+    """All PassageFusion needs of a tokenizer when both models share one: a pad id,
     and a vocabulary that compares equal (so `align.same_vocabulary` holds)."""
 
     pad_token_id: int = 0
@@ -112,16 +112,16 @@ def timed(fn, device: str) -> float:
 def conditions_for(receiver, sharer, fuser, prefix: list[int], batches: list) -> dict:
     """Condition name -> callable running it over all batches."""
     engines = {
-        "receiver": FusionEngine(receiver, prefix),
-        "sharer": FusionEngine(sharer, prefix),
-        "fuse": FusionEngine(receiver, prefix, sharer, fuser),
+        "receiver": PassageFusion(receiver, prefix),
+        "sharer": PassageFusion(sharer, prefix),
+        "fuse": PassageFusion(receiver, prefix, sharer, fuser),
     }
     conds = {name: (lambda e=e: [e.fuse(b) for b in batches]) for name, e in engines.items()}
     conds["fuser_only"] = fuser_only(engines["fuse"], batches)
     return conds
 
 
-def fuser_only(engine: FusionEngine, batches: list):
+def fuser_only(engine: PassageFusion, batches: list):
     """The fuser's share of a fuse: `Fuser.fuse` on caches computed once up front."""
     with torch.inference_mode():
         inputs = [(engine.passage_pass("receiver", b), engine.passage_pass("sharer", b)) for b in batches]

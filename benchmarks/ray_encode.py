@@ -1,4 +1,4 @@
-"""Encode throughput: the local engine vs the Ray engine with 1 and 2 actors, and what
+"""Encode throughput: the local runner vs the Ray runner with 1 and 2 actors, and what
 encoding 1 billion tokens with Qwen3-4B -> Qwen3-0.6B would take on N H200s.
 
 Real offline pair (receiver Qwen2.5-Coder-0.5B, sharer 1.5B) with the shipped fuser
@@ -15,7 +15,7 @@ actors' start-up) and steady tokens/s, measured between the end of the first rou
 windows (one per actor) and the last window. Ray's overhead is shown two ways: fixed
 start-up (end-to-end minus tokens / steady rate), and per-token cost at equal compute
 (ray-1 vs local-1t, both one thread). With 2 cores, ray-2 can at best match local:
-the local engine already uses both cores through torch's threads.
+the local runner already uses both cores through torch's threads.
 
 The projection: matmul FLOPs per token of the receiver, the sharer and the fuser (from
 the model configs, built on torch's meta device: no weights), plus attention at the

@@ -2,40 +2,76 @@
 
     import cachegraft_cli as cg
 
-    cg.encode_passages("corpus.jsonl", "my-store", preset="offline")   # a new store, or an append
-    cg.index_store("my-store")
+    cg.encode("corpus.jsonl", "my-store", preset="offline")   # a new store, or an append
+    cg.index("my-store")
     store = cg.open_store("my-store")        # models load on first use and stay loaded
     answer = store.ask("When was Harrowmere founded?", k=3)
     print(answer.text, [s.id for s in answer.sources])
     answers = store.ask_many(["Q1", "Q2"], batch_size=8)
 
-`cg.answer` / `cg.answer_many` are one-shot forms (open, answer, forget). (The names differ
-from the `ask` / `encode` submodules, which a package attribute must not shadow.) Ask options are
-keyword arguments: `system`, `k`, `scheme`, any other field of `ask.AskOptions`, and
-the generation settings `max_new_tokens`, `temperature`, `top_p`, `seed`. Errors are
-the typed `cachegraft_cli.errors.CacheGraftError`s (`message`, `hint`, `exit_code`).
-Nothing here prints: pass `progress=` to `encode_passages` for a progress callback.
+The verbs are the CLI's: `encode`, `index`, `ask` (and `ask_many`, its batch form);
+`cg.ask` / `cg.ask_many` are one-shot forms (open, answer, forget). Ask settings are
+typed keyword arguments (`AskSettings`: `system`, `k`, `scheme`, `order`, `recompute`,
+`blend`, `blend_layer` and the generation settings `max_new_tokens`, `temperature`,
+`top_p`, `seed`), or a whole `AskOptions` passed as `options=`. Errors are
+`CacheGraftError`s (`message`, `hint`, `exit_code`). Nothing here prints: pass
+`progress=` to `encode` for a progress callback.
+
+`encode_passages`, `index_store`, `answer` and `answer_many` are the earlier names of
+`encode`, `index`, `ask` and `ask_many`: they still work and warn (DeprecationWarning).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import warnings
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypedDict
 
+from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
-from cachegraft_cli.errors import UsageError
+from cachegraft_cli.errors import CacheGraftError, UsageError
+from cachegraft_cli.lm.sampling import GenerationConfig
 
 if TYPE_CHECKING:
-    from cachegraft_cli.answering.ask import Asker, AskOptions
+    from typing import Unpack
 
-__all__ = ["Answer", "EncodeSummary", "Passage", "Source", "Store", "answer", "answer_many", "ask_options",
-           "encode_passages", "index_store", "open_store"]
+    from cachegraft_cli.answering.ask import Asker
+    from cachegraft_cli.encoding.ray.driver import RayOptions
+
+# The one list of the package's public names (`cachegraft_cli.__init__` re-exports exactly these).
+__all__ = ["Answer", "AskOptions", "AskSettings", "CacheGraftError", "EncodeOptions", "EncodeSummary",
+           "GenerationConfig", "Passage", "RayOptions", "Source", "Store", "ask", "ask_many", "ask_options",
+           "encode", "index", "open_store",
+           # earlier names, kept working with a DeprecationWarning
+           "answer", "answer_many", "encode_passages", "index_store"]
 
 Corpus = str | Path | Iterable[Passage | dict]
 
 
+class AskSettings(TypedDict, total=False):
+    """The keyword arguments of `Store.ask` and friends: `AskOptions`' fields, generation's flattened."""
+
+    system: str
+    k: int
+    scheme: str
+    order: str
+    recompute: int
+    blend: float
+    blend_layer: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RayOptions":  # importable without Ray installed; kept lazy like every runner
+        from cachegraft_cli.encoding.ray.driver import RayOptions
+
+        return RayOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 @dataclass(frozen=True)
 class Source:
     """A retrieved passage an answer was read from."""
@@ -71,20 +107,21 @@ class Answer:
         return self.text
 
 
-def ask_options(**options: Any) -> AskOptions:
-    """`AskOptions` from keyword arguments: its own fields plus `GenerationConfig`'s; an unknown
-    name is refused. New `AskOptions` fields work here without a change to this function."""
-    from cachegraft_cli.answering.ask import AskOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
-
+def ask_options(options: AskOptions | None = None, **settings: Unpack[AskSettings]) -> AskOptions:
+    """`options` (default `AskOptions()`) with `settings` applied, checked; an unknown name is refused."""
     generation_names = {f.name for f in fields(GenerationConfig)}
     ask_names = {f.name for f in fields(AskOptions)} - {"generation"}
-    unknown = sorted(set(options) - generation_names - ask_names)
+    unknown = sorted(set(settings) - generation_names - ask_names)
     if unknown:
         raise UsageError(f"Unknown ask option(s): {', '.join(unknown)}.",
                          f"Known: {', '.join(sorted(ask_names | generation_names))}.")
-    generation = GenerationConfig(**{k: v for k, v in options.items() if k in generation_names})
-    built = AskOptions(**{k: v for k, v in options.items() if k in ask_names}, generation=generation)
+    if options is not None and not isinstance(options, AskOptions):
+        raise UsageError(f"options must be an AskOptions, not {type(options).__name__}.",
+                         "Build one with cg.AskOptions(...), or pass the settings as keyword arguments.")
+    base = options or AskOptions()
+    values: dict[str, Any] = dict(settings)
+    generation = replace(base.generation, **{k: v for k, v in values.items() if k in generation_names})
+    built = replace(base, **{k: v for k, v in values.items() if k in ask_names}, generation=generation)
     built.check()
     return built
 
@@ -109,7 +146,7 @@ class Store:
 
     @property
     def asker(self) -> Asker:
-        """The `ask.Asker` holding this store's snapshot, index and loaded models."""
+        """The `answering.ask.Asker` holding this store's snapshot, index and loaded models."""
         if self._asker is None:
             from cachegraft_cli.answering.ask import Asker
 
@@ -131,22 +168,24 @@ class Store:
         self.check(system)
         self.asker.warm(system)
 
-    def ask(self, question: str, *, on_text: Callable[[str], None] | None = None, **options: Any) -> Answer:
+    def ask(self, question: str, options: AskOptions | None = None, *,
+            on_text: Callable[[str], None] | None = None, **settings: Unpack[AskSettings]) -> Answer:
         """Answer one question; `on_text` receives the answer's text as it is decoded."""
         from cachegraft_cli.answering.systems import check_question
 
-        opts = ask_options(**options)
+        opts = ask_options(options, **settings)
         check_question(question)
         self.warm(opts.system)
         return Answer.from_result(self.asker.ask(question, opts, on_text=on_text))
 
-    def ask_many(self, questions: Iterable[str], *, batch_size: int = 8, **options: Any) -> list[Answer]:
+    def ask_many(self, questions: Iterable[str], options: AskOptions | None = None, *, batch_size: int = 8,
+                 **settings: Unpack[AskSettings]) -> list[Answer]:
         """Answer questions decoded together in batches of `batch_size`, in order. A question that
         retrieves no passage raises `NoPassagesError`."""
         from cachegraft_cli.answering.systems import check_question
 
         items = list(questions)
-        opts = ask_options(**options)
+        opts = ask_options(options, **settings)
         for q in items:
             check_question(q)
         if batch_size < 1:
@@ -154,17 +193,17 @@ class Store:
         self.warm(opts.system)
         return [Answer.from_result(r) for r in self.asker.ask_many(items, opts, batch_size)]
 
-    def encode(self, corpus: Corpus, *, progress: Callable[[int, int], None] | None = None,
-               **options: Any) -> EncodeSummary:
-        """Append passages with the store's own models (see `encode_passages`); the store is reopened after."""
-        summary = encode_passages(corpus, self.path, progress=progress, **options)
+    def encode(self, corpus: Corpus, *, options: EncodeOptions | None = None, skip_bad: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> EncodeSummary:
+        """Append passages with the store's own models (see `encode`); the store is reopened after."""
+        summary = encode(corpus, self.path, options=options, skip_bad=skip_bad, progress=progress)
         self._refresh()
         return summary
 
     def index(self, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
               engines: list[str] | None = None) -> dict:
-        """Build or update the store's retrieval index (see `index_store`)."""
-        summary = index_store(self.path, kind, embedder, rebuild, engines)
+        """Build or update the store's retrieval index (see `index`)."""
+        summary = index(self.path, kind, embedder, rebuild, engines)
         self._refresh()
         return summary
 
@@ -179,12 +218,14 @@ class Store:
         return f"Store({self.path!r})"
 
 
-def open_store(path: str | Path, **options: Any) -> Store:
+def open_store(path: str | Path, *, sharer: str | None = None, device: str | None = None, dtype: str | None = None,
+               index_kind: str | None = None, trust_remote_code: bool = False) -> Store:
     """Open a store to ask; see `Store` for the options."""
-    return Store(path, **options)
+    return Store(path, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+                 trust_remote_code=trust_remote_code)
 
 
-def encode_passages(
+def encode(
     corpus: Corpus,
     store: str | Path,
     *,
@@ -192,44 +233,78 @@ def encode_passages(
     receiver: str | None = None,
     sharer: str | None = None,
     fuser: str | None = None,
+    options: EncodeOptions | None = None,
     codec: str | None = None,
-    batch_size: int = 8,
-    max_passage_tokens: int = 512,
-    also_own_cache: bool = False,
-    commit_every: int = 2000,
+    batch_size: int | None = None,
+    max_passage_tokens: int | None = None,
+    also_own_cache: bool | None = None,
+    commit_every: int | None = None,
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
     instruction: str | None = None,
     skip_bad: bool = False,
+    format: str | None = None,
+    id_field: str = "id",
+    text_field: str = "text",
+    title_field: str = "title",
+    runner: str = "local",
+    ray: RayOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
     """Encode a corpus into a store: a new one with the preset (the paper's pair when nothing is
     given) and overrides, an existing one with the models recorded in it.
 
-    `corpus` is a path (JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md) or an iterable
-    of `Passage`s or dicts with `id`, `text` and optional `title` (other keys become metadata).
-    Re-encoding what is stored is skipped without loading any model."""
+    `corpus` is a path (JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md, `-` for stdin;
+    `format` and the `*_field`s as `cachegraft encode` takes them) or an iterable of `Passage`s
+    or dicts with `id`, `text` and optional `title` (other keys become metadata). The encode
+    settings come as `options` or one by one (`codec`, `batch_size`, ...; one given overrides
+    `options`). `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings
+    in `ray`). Re-encoding what is stored is skipped without loading any model; `planned(n)`
+    hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""
     from cachegraft_cli.corpus import from_records, read_corpus
     from cachegraft_cli.encoding.plan import check_corpus
     from cachegraft_cli.encoding.run import encode_into
 
-    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
+    settings = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
+                "also_own_cache": also_own_cache, "commit_every": commit_every}
+    chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
+    ray_options = _runner(runner, ray, device)  # checked before the corpus is read
+    fields_ = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
     if isinstance(corpus, (str, Path)):
-        reader = read_corpus(corpus, skip_bad=skip_bad)
+        reader = read_corpus(corpus, skip_bad=skip_bad, format=format, **fields_)
     else:
-        reader = from_records(corpus, skip_bad=skip_bad)
+        reader = from_records(corpus, skip_bad=skip_bad, **fields_)
     check_corpus(reader)  # every record checked (a file is streamed, never held whole) before anything else
-    summary = encode_into(str(store), reader, options, preset=preset, receiver=receiver, sharer=sharer,
+    summary = encode_into(str(store), reader, chosen, preset=preset, receiver=receiver, sharer=sharer,
                           fuser=fuser, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                          instruction=instruction, progress=progress)
+                          instruction=instruction, progress=progress, ray=ray_options, planned=planned)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     return summary
 
 
-def index_store(store: str | Path, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
-                engines: list[str] | None = None) -> dict:
+def _runner(runner: str, ray: RayOptions | None, device: str | None) -> RayOptions | None:
+    """None for the local runner; Ray's options, checked, with ray importable."""
+    from cachegraft_cli.encoding import RUNNERS
+
+    if runner not in RUNNERS:
+        raise UsageError(f"unknown runner {runner!r}.", f"Use one of: {', '.join(RUNNERS)}.")
+    if runner == "local":
+        if ray is not None:
+            raise UsageError("Ray settings only apply with the ray runner.", "Add --runner ray, or drop them.")
+        return None
+    from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
+
+    ray = ray or RayOptions()
+    check_devices(device, ray)
+    require_ray()
+    return ray
+
+
+def index(store: str | Path, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
+          engines: list[str] | None = None) -> dict:
     """Build the store's retrieval index, or add the passages encoded since (`kind`: bm25,
     dense or hybrid; `embedder`: a sentence-transformers model for dense/hybrid; `engines`:
     tantivy, usearch or flat for its parts, default the existing index's or tantivy + usearch)."""
@@ -238,21 +313,36 @@ def index_store(store: str | Path, kind: str = "bm25", embedder: str | None = No
     return build_store_index(str(store), kind, embedder, rebuild, engines=engines)
 
 
-def answer(question: str, store: str | Path, **options: Any) -> Answer:
+def ask(question: str, store: str | Path, options: AskOptions | None = None, *, sharer: str | None = None,
+        device: str | None = None, dtype: str | None = None, index_kind: str | None = None,
+        trust_remote_code: bool = False, **settings: Unpack[AskSettings]) -> Answer:
     """Answer one question from a store (models loaded for this call only; keep a `Store` to reuse them)."""
-    store_options = _store_options(options)
-    return Store(store, **store_options).ask(question, **options)
+    opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+                        trust_remote_code=trust_remote_code)
+    return opened.ask(question, options, **settings)
 
 
-def answer_many(questions: Iterable[str], store: str | Path, *, batch_size: int = 8, **options: Any) -> list[Answer]:
+def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | None = None, *,
+             batch_size: int = 8, sharer: str | None = None, device: str | None = None, dtype: str | None = None,
+             index_kind: str | None = None, trust_remote_code: bool = False,
+             **settings: Unpack[AskSettings]) -> list[Answer]:
     """Answer many questions from a store, decoded in batches."""
-    store_options = _store_options(options)
-    return Store(store, **store_options).ask_many(questions, batch_size=batch_size, **options)
+    opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+                        trust_remote_code=trust_remote_code)
+    return opened.ask_many(questions, options, batch_size=batch_size, **settings)
 
 
-_STORE_OPTIONS = ("sharer", "device", "dtype", "index_kind", "trust_remote_code")
+def _renamed(old: str, new: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"cachegraft_cli.{old} is now cachegraft_cli.{new.__name__}; the old name will go.",
+                      DeprecationWarning, stacklevel=2)
+        return new(*args, **kwargs)
+
+    call.__name__, call.__doc__ = old, f"Deprecated name of `{new.__name__}`."
+    return call
 
 
-def _store_options(options: dict) -> dict:
-    """Pop `Store`'s own options out of a one-shot call's keyword arguments."""
-    return {k: options.pop(k) for k in _STORE_OPTIONS if k in options}
+encode_passages = _renamed("encode_passages", encode)
+index_store = _renamed("index_store", index)
+answer = _renamed("answer", ask)
+answer_many = _renamed("answer_many", ask_many)

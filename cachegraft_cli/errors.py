@@ -114,7 +114,7 @@ class DiskFullError(StorageError):
     """No space left (ENOSPC, or over quota) while writing."""
 
 
-class EngineError(CacheGraftError):
-    """The distributed engine failed: the cluster is unreachable, or tasks kept failing after their retries."""
+class RunnerError(CacheGraftError):
+    """The distributed runner failed: the cluster is unreachable, or tasks kept failing after their retries."""
 
     exit_code = 15

@@ -118,14 +118,14 @@ class ModelSession:
         c = self.choice
         return load_causal_lm(spec, device=c.device, dtype=c.dtype, trust_remote_code=c.trust_remote_code)
 
-    def engine(self):
-        """The fusion engine (built once): the sharer loads only for an open fuser."""
-        if "_engine" not in self.__dict__:
-            from cachegraft_cli.fuser.fusion import FusionEngine
+    def fusion(self):
+        """The passage fusion (built once): the sharer loads only for an open fuser."""
+        if "_fusion" not in self.__dict__:
+            from cachegraft_cli.fuser.fusion import PassageFusion
 
             sharer = self.sharer if self._runs_sharer() else None
-            self._engine = FusionEngine(self.receiver, self.template.prefix_ids(), sharer, self.fuser)
-        return self._engine
+            self._fusion = PassageFusion(self.receiver, self.template.prefix_ids(), sharer, self.fuser)
+        return self._fusion
 
     def _runs_sharer(self) -> bool:
         """Only an open fuser fed by the sharer needs it; an adapter is fed zeros."""
@@ -163,7 +163,7 @@ class ModelSession:
         kinds = ("fused", "own") if also_own_cache else ("fused",)
         if store is not None:
             check_kinds(store, also_own_cache)
-        prefix = kvcache.to_token_major(self.engine().prefix_kv())
+        prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         from cachegraft_cli.store.oserrors import writing
 
         with writing(str(url), "create the store"):

@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import SAMPLE_DATA
 
 from cachegraft_cli.corpus import Passage, content_id, read_corpus
 from cachegraft_cli.errors import CorpusError
-
-from paths import SAMPLE_DATA
 
 SAMPLE = SAMPLE_DATA / "corpus.jsonl"
 

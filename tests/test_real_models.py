@@ -2,7 +2,6 @@
 skipped when absent."""
 
 import json
-from pathlib import Path
 
 import pytest
 from real_models import real_model, reason

@@ -17,46 +17,21 @@ systems too.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
 from cachegraft_cli.answering.assembly import (
-    DEFAULT_ORDER,
-    DEFAULT_RECOMPUTE,
     DEFAULT_SCHEME,
     ORDERS,
     SCHEMES,
-    AssemblyOptions,
     in_prompt_order,
 )
-from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_name, check_question
+from cachegraft_cli.answering.options import AskOptions
+from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_question
 from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
-from cachegraft_cli.lm.generation import GenerationConfig, Prompt
+from cachegraft_cli.lm.generation import Prompt
 
 __all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
-
-
-@dataclass
-class AskOptions:
-    system: str = "graft"
-    k: int = 3
-    scheme: str = DEFAULT_SCHEME
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    order: str = DEFAULT_ORDER
-    recompute: int = DEFAULT_RECOMPUTE  # boundary tokens per passage after the first (stored-cache systems)
-    blend: float = 0.0  # CacheBlend-style share of the other passage tokens recomputed (opt-in: costs a forward)
-    blend_layer: int = 1
-
-    @property
-    def assembly(self) -> AssemblyOptions:
-        return AssemblyOptions(self.order, self.scheme, self.recompute, self.blend, self.blend_layer)
-
-    def check(self) -> None:
-        check_name(self.system)
-        if self.k < 1:
-            raise UsageError(f"-k must be at least 1, got {self.k}.", "Use e.g. -k 3.")
-        self.assembly.check()
 
 
 class Asker:

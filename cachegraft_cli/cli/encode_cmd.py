@@ -53,8 +53,10 @@ def encode(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
-    engine: Annotated[str, typer.Option(
+    runner: Annotated[str, typer.Option(
         help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
+    engine: Annotated[Optional[str], typer.Option(
+        hidden=True, help="Deprecated name of --runner (--engine names retrieval engines, in `index`).")] = None,
     address: Annotated[str | None, typer.Option(
         help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
     actors: Annotated[int | None, typer.Option(
@@ -66,53 +68,52 @@ def encode(
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
+    from cachegraft_cli.api import encode as encode_corpus
     from cachegraft_cli.cli.output import showing_status
-    from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encoding.plan import EncodeOptions, check_corpus
-    from cachegraft_cli.encoding.run import encode_into
+    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.progress import EncodeProgress
 
-    # Everything is checked before anything is written or any model loads.
+    # Everything is checked before anything is written or any model loads (the API checks the rest).
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
-    ray_options = _ray_options(engine, address, actors, gpus_per_actor, cpus_per_actor, device)
-    reader = read_corpus(corpus, id_field=id_field, text_field=text_field, title_field=title_field,
-                         skip_bad=skip_bad, format=fmt)
-    count = check_corpus(reader)  # one streamed pass over every record; nothing is kept in memory
-    with showing_status(json_out), EncodeProgress(count) as bar:
-        summary = encode_into(store, reader, options, preset=preset, receiver=receiver, sharer=sharer, fuser=fuser,
-                              device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                              instruction=instruction, progress=bar, ray=ray_options, planned=bar.set_total)
+    runner = _runner(runner, engine)
+    ray = _ray_options(runner, address, actors, gpus_per_actor, cpus_per_actor)
+    with showing_status(json_out), EncodeProgress(0) as bar:  # the plan sets its total before it shows
+        summary = encode_corpus(corpus, store, preset=preset, receiver=receiver, sharer=sharer, fuser=fuser,
+                                options=options, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                instruction=instruction, skip_bad=skip_bad, format=fmt, id_field=id_field,
+                                text_field=text_field, title_field=title_field, runner=runner, ray=ray,
+                                progress=bar, planned=bar.set_total)
     if summary.fuser == "closed" and summary.added:
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
-    summary.skipped_bad = sum(reader.skipped.values())
-    summary.skipped_reasons = dict(reader.skipped)
     if json_out:
         emit_json(summary.as_dict())
     else:
         _print(summary)
 
 
-def _ray_options(engine: str, address, actors, gpus_per_actor, cpus_per_actor, device):
-    """None for the local engine (Ray flags refused there); Ray's options, checked, with ray importable."""
-    from cachegraft_cli.encoding import ENGINES
+def _runner(runner: str, engine: str | None) -> str:
+    """--runner, or the deprecated --engine it replaced (with a note on stderr)."""
+    if engine is None:
+        return runner
+    log("note: `encode --engine` is now `--runner` (--engine names retrieval engines); the old name will go.")
+    return engine
+
+
+def _ray_options(runner: str, address, actors, gpus_per_actor, cpus_per_actor):
+    """None for the local runner (Ray flags refused there); Ray's options otherwise."""
     from cachegraft_cli.errors import UsageError
 
-    if engine not in ENGINES:
-        raise UsageError(f"unknown --engine {engine!r}.", f"Use one of: {', '.join(ENGINES)}.")
     given = {"--address": address, "--actors": actors, "--gpus-per-actor": gpus_per_actor,
              "--cpus-per-actor": cpus_per_actor}
-    if engine == "local":
+    if runner != "ray":
         flags = [flag for flag, value in given.items() if value is not None]
         if flags:
-            raise UsageError(f"{', '.join(flags)} only apply with --engine ray.", "Add --engine ray, or drop them.")
+            raise UsageError(f"{', '.join(flags)} only apply with --runner ray.", "Add --runner ray, or drop them.")
         return None
-    from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
+    from cachegraft_cli.encoding.ray.driver import RayOptions
 
-    options = RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
-                         cpus_per_actor=cpus_per_actor or 1.0)
-    check_devices(device, options)
-    require_ray()  # before the corpus is read or anything loads
-    return options
+    return RayOptions(address=address, actors=actors or 1, gpus_per_actor=gpus_per_actor or 0.0,
+                      cpus_per_actor=cpus_per_actor or 1.0)
 
 
 def _print(s) -> None:

@@ -89,15 +89,19 @@ def evaluate(
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
     from cachegraft_cli.answering.assembly import AssemblyOptions
     from cachegraft_cli.cli.output import showing_status
+    from cachegraft_cli.config import preset_adapter
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+    from cachegraft_cli.evaluation.variants import base_system
     from cachegraft_cli.fuser import check_fuser_spec
     from cachegraft_cli.session import ModelChoice
 
     AssemblyOptions(order, scheme, recompute, blend, blend_layer).check()  # before anything loads
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
-    check_fuser_spec(adapter_fuser)
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    if adapter_fuser is None and any(base_system(s) == "adapter" for s in system_list):
+        adapter_fuser = preset_adapter(preset, fuser)  # a preset knows its own control
+    check_fuser_spec(adapter_fuser)
     acfg = AnswererConfig(
         choice.receiver,
         choice.sharer,

@@ -200,7 +200,7 @@ def check_corpus(reader) -> int:
 
 
 def plan_chunks(passages, known: dict, template, options: EncodeOptions, summary: EncodeSummary) -> list[Chunk]:
-    """The chunks to encode, as a list (an engine that ships them elsewhere); see `new_chunks`."""
+    """The chunks to encode, as a list (a runner that ships them elsewhere); see `new_chunks`."""
     return list(new_chunks(passages, known, template, options, summary))
 
 
@@ -244,7 +244,7 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
 
 
 def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[list[Chunk]]:
-    """The planned chunks cut into commit windows: one segment each, whatever engine writes them.
+    """The planned chunks cut into commit windows: one segment each, whatever runner writes them.
     Streamed: only one window is held at a time."""
     window: list[Chunk] = []
     for chunk in todo:
@@ -256,14 +256,15 @@ def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[li
         yield window
 
 
-def run_info(window: list[Chunk], engine: str = "local") -> dict:
+def run_info(window: list[Chunk], runner: str = "local") -> dict:
+    """A segment's `run_info` (the stored key `engine` names the runner, as stores have always written it)."""
     info = {"tool": "cachegraft encode", "passages": len(window)}
-    return info if engine == "local" else {**info, "engine": engine}
+    return info if runner == "local" else {**info, "engine": runner}
 
 
 def encode_window(window: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary,
                   progress=None) -> None:
-    """Fuse one window's chunks into `writer` (not committed), in the local engine's batches:
+    """Fuse one window's chunks into `writer` (not committed), in the local runner's batches:
     the same window always gives the same batches, so the same bits on the same hardware."""
     for batch in _batches(window, options.batch_size):
         _encode_batch(batch, writer, session, options, summary)
@@ -279,7 +280,7 @@ def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
 def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary) -> None:
     from cachegraft_cli.lm import kvcache
 
-    for chunk, kv in zip(batch, session.engine().fuse([c.ids for c in batch])):
+    for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch])):
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)

@@ -29,7 +29,7 @@ def encode_into(
 ) -> EncodeSummary:
     """Encode passages into a store with the models the user chose: a new store takes the
     preset (or the paper's pair) with overrides, an existing one its own models
-    (`session.choice_for_encode`). `ray` (`engines.ray_engine.RayOptions`) runs the
+    (`session.choice_for_encode`). `ray` (`encoding.ray.driver.RayOptions`) runs the
     fusion on Ray actors instead of in this process; the store is the same. `passages` is
     read more than once (see `encode_corpus`); `planned(n)` hears how many chunks will be
     encoded, once the plan under the lock knows it."""

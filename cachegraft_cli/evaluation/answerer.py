@@ -63,8 +63,9 @@ class StoreAnswerer:
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
             if not self.config.adapter_fuser:
-                raise UsageError("The adapter system needs --adapter-fuser.", "Pass the adapter fuser (trained with "
-                                                                              "--sharer-input zero).")
+                raise UsageError("The adapter system needs --adapter-fuser (this preset or fuser ships none).",
+                                 "Pass the adapter fuser (trained with --sharer-input zero), or use a preset "
+                                 "that ships one (`cachegraft models list`).")
             return self.config.adapter_fuser
         return self.config.fuser
 
@@ -105,11 +106,11 @@ class StoreAnswerer:
 
     def _release_sharers(self) -> None:
         """Answering reads stored caches: only `sharer-text` runs the sharer. Dropping it
-        (and the encode engine that holds it) frees most of what a run keeps in memory
+        (and the encode runner that holds it) frees most of what a run keeps in memory
         for hours; the next benchmark's encode loads it again (cached properties)."""
         for session in self._sessions.values():
             session.__dict__.pop("sharer", None)
-            session.__dict__.pop("_engine", None)
+            session.__dict__.pop("_fusion", None)
         gc.collect()
 
     def _fusers(self) -> list[str | None]:

@@ -26,7 +26,7 @@ class PassageKV:
     own: PlainKV  # the receiver's own cache of the same tokens
 
 
-class FusionEngine:
+class PassageFusion:
     """Computes prefix and passage caches for one (receiver, sharer, fuser) triple.
 
     With `fuser=None` (closed) the sharer is never run and the fused cache is

@@ -16,14 +16,7 @@ import torch
 
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.kvcache import PlainKV
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 48
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None
+from cachegraft_cli.lm.sampling import GenerationConfig
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Many writers, one commit: segments written in parallel, listed by whoever holds the lock.
 
-A distributed job (the Ray engine) has one driver and many workers. The driver
+A distributed job (the Ray runner) has one driver and many workers. The driver
 holds the store's writer lock for the whole job, so no other writer runs and no
 garbage collection deletes the workers' unlisted segments. Each worker writes
 whole segments with `SegmentWriter`: arrays, rows, content and `commit.json`,

@@ -1,9 +1,9 @@
 """The frozen models' passage caches, computed once (no gradients) and reused.
 
 `CacheBank` holds, per passage key, the receiver's own passage KV and the
-sharer's KV of the same tokens, exactly as `FusionEngine` feeds them to the
+sharer's KV of the same tokens, exactly as `PassageFusion` feeds them to the
 fuser at encode time (same prefix, template, positions, right-padded batches;
-see `FusionEngine.model_kv`). Arrays are stacked per passage as
+see `PassageFusion.model_kv`). Arrays are stacked per passage as
 `(layers, 2, kv_heads, tokens, head_dim)` and kept in memory in the bank's
 dtype; with a cache directory they are also written as safetensors files so a
 resumed or repeated run (e.g. the adapter control) skips the model passes.

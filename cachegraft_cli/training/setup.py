@@ -158,11 +158,11 @@ def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bo
     import time
 
     from cachegraft_cli.config import cache_dir
-    from cachegraft_cli.fuser.fusion import FusionEngine
+    from cachegraft_cli.fuser.fusion import PassageFusion
     from cachegraft_cli.training.precompute import CacheBank, bank_identity
 
     t0 = time.perf_counter()
-    engine = FusionEngine(receiver, template.prefix_ids(), sharer, fuser)
+    engine = PassageFusion(receiver, template.prefix_ids(), sharer, fuser)
     root = config.cache_dir or (cache_dir() / "train-caches")
     bank = CacheBank(bank_identity(receiver, sharer, template, config.cache_dtype), config.cache_dtype,
                      None if config.cache_dir == "none" else root)

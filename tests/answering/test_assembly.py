@@ -9,7 +9,7 @@ import torch
 
 from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions, Layout, in_prompt_order, visibility
 from cachegraft_cli.fuser.fuser import Fuser
-from cachegraft_cli.fuser.fusion import FusionEngine
+from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate, generate_batch, prompt_logits
 from cachegraft_cli.lm.template import PromptTemplate
@@ -32,7 +32,7 @@ def _setup(tiny_models, fused: bool, sharer_role: str = "sharer_same"):
         fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
         fuser.set_gates(1.0)
         fuser.eval()
-    engine = FusionEngine(r, tpl.prefix_ids(), s if fused else None, fuser)
+    engine = PassageFusion(r, tpl.prefix_ids(), s if fused else None, fuser)
     ids = [tpl.passage_ids(t, x) for t, x in PASSAGES]
     kvs = engine.fuse(ids)
     arrays = [kvcache.to_token_major(kv.fused) for kv in kvs]

@@ -213,7 +213,7 @@ def no_model_loads(monkeypatch):
     """Any model, fuser or embedder load fails the test: every check must come first."""
     from cachegraft_cli import fuser
     from cachegraft_cli.lm import models
-    from cachegraft_cli.retrieval.index import index as retrieval
+    from cachegraft_cli.retrieval import index as retrieval
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_store_support import fill, flip_bytes, identity, prefix, shard_files
+from store_support import fill, flip_bytes, identity, prefix, shard_files
 from typer.testing import CliRunner
 
 from cachegraft_cli.cli.app import app

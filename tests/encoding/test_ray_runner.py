@@ -1,5 +1,5 @@
-"""`encode --engine ray` on a local Ray runtime (2 CPUs, shared by all tests): the same store as
-the local engine, bit for bit; failed tasks retried without duplicates; a SIGKILLed driver re-run."""
+"""`encode --runner ray` on a local Ray runtime (2 CPUs, shared by all tests): the same store as
+the local runner, bit for bit; failed tasks retried without duplicates; a SIGKILLed driver re-run."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def choice(tiny_models, tiny_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_store(choice, tmp_path_factory):
-    """The reference: the local engine's store of the whole corpus."""
+    """The reference: the local runner's store of the whole corpus."""
     url = str(tmp_path_factory.mktemp("local") / "store")
     summary = encode_corpus(_passages(N), url, ModelSession(choice), OPTIONS)
     assert summary.added == N and len(summary.segments) == 8

@@ -1,4 +1,4 @@
-"""`encode --engine`: bad engine options fail at once, before the corpus is read or anything loads."""
+"""`encode --runner`: bad runner options fail at once, before the corpus is read or anything loads."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ def run(capsys, monkeypatch, *args):
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["--actors", "2"], 2, "--actors only apply with --engine ray"),
-    (["--engine", "local", "--address", "h:1", "--gpus-per-actor", "1"], 2, "--address, --gpus-per-actor only apply"),
-    (["--engine", "spark"], 2, "unknown --engine 'spark'"),
-    (["--engine", "ray", "--address", "nonsense"], 2, "is not HOST:PORT"),
-    (["--engine", "ray", "--gpus-per-actor", "1", "--device", "cpu"], 2, "asks for GPUs, but --device is cpu"),
+    (["--actors", "2"], 2, "--actors only apply with --runner ray"),
+    (["--runner", "local", "--address", "h:1", "--gpus-per-actor", "1"], 2, "--address, --gpus-per-actor only apply"),
+    (["--runner", "spark"], 2, "unknown runner 'spark'"),
+    (["--runner", "ray", "--address", "nonsense"], 2, "is not HOST:PORT"),
+    (["--runner", "ray", "--gpus-per-actor", "1", "--device", "cpu"], 2, "asks for GPUs, but --device is cpu"),
+    (["--engine", "spark"], 2, "unknown runner 'spark'"),  # the deprecated name still reaches the same checks
 ])
-def test_bad_engine_options_fail_before_anything_loads(capsys, monkeypatch, tmp_path, args, code, message):
+def test_bad_runner_options_fail_before_anything_loads(capsys, monkeypatch, tmp_path, args, code, message):
     missing = tmp_path / "no-such-corpus.jsonl"  # never read: the options fail first
     got, err = run(capsys, monkeypatch, "encode", missing, "--store", tmp_path / "s", *args)
     assert got == code and message in err and "hint:" in err
@@ -30,7 +31,7 @@ def test_bad_engine_options_fail_before_anything_loads(capsys, monkeypatch, tmp_
 
 def test_missing_ray_says_what_to_install(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    got, err = run(capsys, monkeypatch, "encode", tmp_path / "c.jsonl", "--store", tmp_path / "s", "--engine", "ray")
+    got, err = run(capsys, monkeypatch, "encode", tmp_path / "c.jsonl", "--store", tmp_path / "s", "--runner", "ray")
     assert got == 2 and "needs Ray, which is not installed" in err and "cachegraft[ray]" in err
 
 
@@ -38,18 +39,18 @@ def test_an_address_nobody_listens_at_fails_in_seconds():
     import socket
 
     from cachegraft_cli.encoding.ray.driver import _probe
-    from cachegraft_cli.errors import EngineError
+    from cachegraft_cli.errors import RunnerError
 
     with socket.socket() as s:  # a port that was free a moment ago
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(EngineError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+    with pytest.raises(RunnerError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
         _probe(f"127.0.0.1:{port}", timeout=2)
     _probe(None)  # no address: Ray starts a local runtime
     _probe("auto")
 
 
-def test_the_engines_import_no_ray_until_used():
+def test_the_runners_import_no_ray_until_used():
     import subprocess
 
     code = ("import sys\n"
@@ -102,3 +103,9 @@ def test_a_ray_encode_is_refused_by_a_held_lock_before_ray_starts(tmp_path, monk
             encode_on_ray([Passage("p1", "", "some text")], str(store), ModelChoice("org/model", None, "closed"),
                           EncodeOptions(), RayOptions())
     assert sorted(p.name for p in store.iterdir()) == ["writer.lock"]  # nothing created
+
+
+def test_the_deprecated_engine_flag_says_so(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    got, err = run(capsys, monkeypatch, "encode", tmp_path / "c.jsonl", "--store", tmp_path / "s", "--engine", "ray")
+    assert got == 2 and "`encode --engine` is now `--runner`" in err and "needs Ray" in err

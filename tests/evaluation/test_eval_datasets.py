@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import SHARED_QA
 
 from cachegraft_cli.errors import DatasetError, UsageError
 from cachegraft_cli.evaluation.datasets import (
@@ -11,8 +12,6 @@ from cachegraft_cli.evaluation.datasets import (
     sample_questions,
     squad_passage_id,
 )
-
-from paths import SHARED_QA
 
 
 def _squad(path: Path) -> Path:

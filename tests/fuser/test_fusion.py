@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cachegraft_cli.fuser.fuser import Fuser
-from cachegraft_cli.fuser.fusion import FusionEngine
+from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.fuser.online import online_logits
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.template import PromptTemplate
@@ -41,7 +41,7 @@ def test_offline_equals_online_reference(tiny_models, sharer_role):
     prefix, question = tpl.prefix_ids(), tpl.question_ids("who built the lighthouse?")
     passages = [tpl.passage_ids(t, x) for t, x in PASSAGES]
     fuser = _open_fuser(r, s)
-    engine = FusionEngine(r, prefix, s, fuser)
+    engine = PassageFusion(r, prefix, s, fuser)
     fused = engine.fuse(passages)  # one batched, right-padded forward
     for ids, kv in zip(passages, fused):
         offline = _offline_logits(r, engine, kv.fused, len(prefix), len(ids), question)
@@ -58,7 +58,7 @@ def test_closed_fuser_gives_receiver_logits_exactly(tiny_models):
     ids = tpl.passage_ids(*PASSAGES[2])
     fuser = _open_fuser(r, s)
     fuser.set_gates(0.0)  # the untrained default: logit 0 is closed
-    engine = FusionEngine(r, prefix, s, fuser)
+    engine = PassageFusion(r, prefix, s, fuser)
     kv = engine.fuse([ids])[0]
     for (kf, vf), (ko, vo) in zip(kv.fused, kv.own):
         assert torch.equal(kf, ko) and torch.equal(vf, vo)
@@ -71,7 +71,7 @@ def test_closed_fuser_gives_receiver_logits_exactly(tiny_models):
 def test_batched_fuse_equals_one_at_a_time(tiny_models):
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
-    engine = FusionEngine(r, tpl.prefix_ids(), s, _open_fuser(r, s, seed=5))
+    engine = PassageFusion(r, tpl.prefix_ids(), s, _open_fuser(r, s, seed=5))
     passages = [tpl.passage_ids(t, x) for t, x in PASSAGES]
     batched = engine.fuse(passages)
     for ids, b in zip(passages, batched):
@@ -108,7 +108,7 @@ def test_key_rerotation_matches_encoding_at_shifted_positions(tiny_models):
 def test_token_major_round_trip(tiny_models):
     r = tiny_models["receiver"]
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
-    kv = FusionEngine(r, tpl.prefix_ids()).fuse([tpl.passage_ids(*PASSAGES[1])])[0].own
+    kv = PassageFusion(r, tpl.prefix_ids()).fuse([tpl.passage_ids(*PASSAGES[1])])[0].own
     arr = kvcache.to_token_major(kv)
     g = r.geometry
     assert arr.shape == (kvcache.num_tokens(kv), g.layers, 2, g.kv_heads, g.head_dim)
@@ -122,4 +122,4 @@ def test_fuser_for_other_geometry_is_refused(tiny_models):
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
     wrong = _open_fuser(r, tiny_models["sharer_other"])
     with pytest.raises(CheckpointError, match="KV heads"):
-        FusionEngine(r, [1, 2], s, wrong)
+        PassageFusion(r, [1, 2], s, wrong)

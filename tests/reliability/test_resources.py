@@ -18,8 +18,6 @@ from faults import Cli, Faults, record
 
 from cachegraft_cli.store import CacheStore
 
-from paths import TESTS
-
 
 def _corpus(path: Path, n: int) -> Path:
     path.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"note {i} on the harbor light"}) + "\n"

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from cli_support import run_cli
 from faults import record
-
 from paths import PACKAGE
 
 
@@ -166,7 +165,7 @@ def test_the_package_never_unpickles():
 
 
 def test_credentials_are_never_shown(tmp_path):
-    from test_store_support import fill, identity, prefix
+    from store_support import fill, identity, prefix
 
     from cachegraft_cli.errors import CacheGraftError
     from cachegraft_cli.store import CacheStore

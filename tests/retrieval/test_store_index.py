@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cachegraft_cli.errors import IndexMismatchError
-from cachegraft_cli.retrieval.index import load_index, stored as indexing
+from cachegraft_cli.retrieval import stored as indexing
+from cachegraft_cli.retrieval.index import load_index
 from cachegraft_cli.store import CacheStore, PassageRow
 
 GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 4}
@@ -158,7 +159,7 @@ def test_an_index_on_an_object_store_is_replaced_as_a_new_version(tmp_path, monk
     and readers mirror both versions into one local directory."""
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
-    from test_store_support import memory_url
+    from store_support import memory_url
 
     from cachegraft_cli.retrieval.engines import files
 

@@ -8,16 +8,14 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_store_support import bf16_cache, fill, identity, prefix, row
+from paths import TESTS
+from store_support import bf16_cache, fill, identity, prefix, row
 
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.compact import CompactOptions, compact, plan_groups
-
-from paths import TESTS
 
 
 def _store(url: str, codec: str = "bf16", segments: int = 6, per: int = 7, seed: int = 0):

@@ -7,7 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
-from test_store_support import fill, identity, prefix
+from store_support import fill, identity, prefix
 
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.location import Location

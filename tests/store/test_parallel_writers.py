@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_store_support import bf16_cache, identity, prefix, row
+from store_support import bf16_cache, identity, prefix, row
 
 from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.errors import StoreError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_store_support import bf16_cache, files_under, fill, flip_bytes, identity, memory_url, prefix, row, shard_files
+from store_support import bf16_cache, files_under, fill, flip_bytes, identity, memory_url, prefix, row, shard_files
 
 from cachegraft_cli.errors import StoreError, StoreLockedError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.store import CacheStore, PassageRow

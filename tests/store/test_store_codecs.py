@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_store_support import bf16_cache, identity
+from store_support import bf16_cache, identity
 
 from cachegraft_cli.store import CacheStore, PassageRow, codec_bytes_per_token, raw_bf16_bytes_per_token
 from cachegraft_cli.store.codecs import from_bf16_words, get_codec, to_bf16_words

@@ -8,17 +8,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_store_support import fill, identity, memory_url, prefix
+from paths import TESTS
+from store_support import fill, identity, memory_url, prefix
 
 from cachegraft_cli.errors import StoreError, StoreLockedError
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.lock import unlock
-
-from paths import TESTS
 
 # Child writer: adds passages in one session. MODE "sleep" stalls mid-write (shards already
 # flushed) for the parent to SIGKILL; otherwise it kills itself just before the named step.
@@ -26,7 +24,7 @@ CHILD = r"""
 import os, signal, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[3])
-from test_store_support import bf16_cache, row
+from store_support import bf16_cache, row
 from cachegraft_cli.store import CacheStore, location, segments
 url, mode = sys.argv[1], sys.argv[2]
 

@@ -7,7 +7,7 @@ import torch
 
 from cachegraft_cli.errors import TrainingError
 from cachegraft_cli.fuser.checkpoint import load_checkpoint, save_published
-from cachegraft_cli.fuser.fusion import FusionEngine
+from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.template import PromptTemplate
 from cachegraft_cli.training import TrainConfig, fusermodel, objectives
@@ -46,7 +46,7 @@ def _setup(r, s, sharer_input="model", hidden=16):
                       dropout=0.0, sharer_input=sharer_input)
     torch.manual_seed(0)
     fuser = fusermodel.create(r, s.spec, s.geometry, cfg, anneal_steps=50)
-    engine = FusionEngine(r, tpl.prefix_ids(), s, fuser)
+    engine = PassageFusion(r, tpl.prefix_ids(), s, fuser)
     ids = {f"p{n}": tpl.passage_ids(t, x) for n, (t, x) in enumerate(PASSAGES)}
     bank = CacheBank(bank_identity(r, s if sharer_input == "model" else None, tpl, "float32"), "float32")
     bank.fill(engine, ids, batch_size=3)
@@ -170,7 +170,7 @@ def test_run_saves_a_loadable_fuser_that_reproduces_training(tiny_dirs, tiny_mod
     # the shipped fuser's validation NLL, recomputed from the saved checkpoints, matches the training log
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
-    engine = FusionEngine(r, tpl.prefix_ids(), s, own)
+    engine = PassageFusion(r, tpl.prefix_ids(), s, own)
     from cachegraft_cli.training.data import read_files
     from cachegraft_cli.training.setup import build_items, cap_items, select_passages
     cfg = _config(tiny_dirs, squad_file, tmp_path / "run")
@@ -236,7 +236,7 @@ def test_adapter_runs_without_sharer(tiny_dirs, tiny_models, squad_file, tmp_pat
     assert load_checkpoint(tmp_path / "ad_pub").spec.sharer_input == "zero"
     fuser.set_gates(1.0)
     r = tiny_models["receiver"]
-    engine = FusionEngine(r, PromptTemplate.for_tokenizer(r.tokenizer).prefix_ids(), None, fuser)
+    engine = PassageFusion(r, PromptTemplate.for_tokenizer(r.tokenizer).prefix_ids(), None, fuser)
     assert engine.sharer is None and engine.zero_sharer
     out = engine.fuse([[5, 6, 7], [8, 9]])
     assert out[0].fused[0][0].shape == out[0].own[0][0].shape

@@ -1,6 +1,6 @@
-"""`encode --engine ray`: the same store as the local engine, fused by a pool of Ray actors.
+"""`encode --runner ray`: the same store as the local runner, fused by a pool of Ray actors.
 
-The driver (this process) plans exactly as the local engine does: read and
+The driver (this process) plans exactly as the local runner does: read and
 check the corpus, split long passages, skip what the store holds (same id,
 same content hash), cut the rest into commit windows. Only a tokenizer loads
 here, so the driver can be a CPU-only head node. Then:
@@ -20,7 +20,7 @@ here, so the driver can be a CPU-only head node. Then:
    atomic commit.
 
 Same windows, same batches: a window fused by an actor gives the bits the
-local engine gives on the same hardware. Retries are safe: a task Ray retries
+local runner gives on the same hardware. Retries are safe: a task Ray retries
 or a worker that dies leaves an unlisted segment (garbage), the ledger never
 lists one plan position twice, and a job re-run after a crash skips every
 committed passage.
@@ -41,7 +41,7 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.plan import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
 from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
-from cachegraft_cli.errors import CacheGraftError, EngineError, StoreMismatchError, StoreNotFoundError, UsageError
+from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.session import ModelChoice, check_kinds
 
 
@@ -79,7 +79,7 @@ def require_ray():
         import ray
         import ray.data
     except ImportError:
-        raise UsageError("--engine ray needs Ray, which is not installed.",
+        raise UsageError("The ray runner needs Ray, which is not installed.",
                          "Install it with: pip install 'cachegraft[ray]' "
                          "(and 'cachegraft[s3]' for s3:// stores).") from None
     return ray
@@ -142,7 +142,7 @@ def _connected(ray, ray_options: RayOptions):
         ray.init(address=ray_options.address, logging_level=logging.WARNING, include_dashboard=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = ray_options.address or "RAY_ADDRESS / a new local runtime"
-        raise EngineError(f"could not start or join a Ray cluster at {where}: {str(exc).splitlines()[0]}",
+        raise RunnerError(f"could not start or join a Ray cluster at {where}: {str(exc).splitlines()[0]}",
                           "Start one with `ray start --head` and pass --address HOST:6379, "
                           "or leave --address out to run a local Ray runtime.") from None
     try:
@@ -163,7 +163,7 @@ def _probe(address: str | None, timeout: float = 5.0) -> None:
     try:
         socket.create_connection(target, timeout=timeout).close()
     except OSError as exc:
-        raise EngineError(f"no Ray cluster answers at {address} ({exc.strerror or exc}).",
+        raise RunnerError(f"no Ray cluster answers at {address} ({exc.strerror or exc}).",
                           "Start one with `ray start --head` (port 6379 by default) and check the address, "
                           "or leave --address out to run a local Ray runtime.") from None
 
@@ -172,11 +172,11 @@ def _check_resources(ray, ray_options: RayOptions) -> None:
     """A pool that can never start would wait forever: refuse it up front."""
     have = ray.cluster_resources()
     if ray_options.gpus_per_actor > have.get("GPU", 0):
-        raise EngineError(f"the Ray cluster has {have.get('GPU', 0):g} GPUs, but --gpus-per-actor is "
+        raise RunnerError(f"the Ray cluster has {have.get('GPU', 0):g} GPUs, but --gpus-per-actor is "
                           f"{ray_options.gpus_per_actor:g}.",
                           "Join a cluster with GPU nodes (--address), or use --gpus-per-actor 0.")
     if ray_options.cpus_per_actor > have.get("CPU", 0):
-        raise EngineError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, but --cpus-per-actor is "
+        raise RunnerError(f"the Ray cluster has {have.get('CPU', 0):g} CPUs, but --cpus-per-actor is "
                           f"{ray_options.cpus_per_actor:g}.", "Use a smaller --cpus-per-actor.")
 
 
@@ -283,11 +283,11 @@ def _fuse_windows(ray, windows: list[list[Chunk]], store, choice, options, ray_o
     except BaseException as exc:
         committer.flush(final=True)  # keep what finished in order: a re-run skips it
         if isinstance(exc, Exception) and not isinstance(exc, CacheGraftError):
-            raise _engine_error(exc) from None
+            raise _runner_error(exc) from None
         raise
     committer.flush(final=True)
     if not committer.ledger.complete:
-        raise EngineError(f"the Ray job ended with {committer.ledger.missing} planned passages in no segment.",
+        raise RunnerError(f"the Ray job ended with {committer.ledger.missing} planned passages in no segment.",
                           "Run the same encode again: what is stored is skipped, the rest is redone.")
 
 
@@ -348,11 +348,11 @@ def _ray_get(ray, ref):
     try:
         return ray.get(ref)
     except Exception as exc:  # noqa: BLE001 - a task's error arrives wrapped; unwrap ours
-        raise _engine_error(exc) from None
+        raise _runner_error(exc) from None
 
 
-def _engine_error(exc: BaseException) -> CacheGraftError:
-    """Our own error raised in a worker (models, store identity), else an EngineError naming the failure."""
+def _runner_error(exc: BaseException) -> CacheGraftError:
+    """Our own error raised in a worker (models, store identity), else an RunnerError naming the failure."""
     seen = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -361,5 +361,5 @@ def _engine_error(exc: BaseException) -> CacheGraftError:
         seen.add(id(cur))
         cur = getattr(cur, "cause", None) or cur.__cause__ or cur.__context__
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return EngineError(f"the Ray job failed: {type(exc).__name__}: {first[:300]}",
+    return RunnerError(f"the Ray job failed: {type(exc).__name__}: {first[:300]}",
                        "Committed segments are kept; fix the cause and run the same encode again to finish.")

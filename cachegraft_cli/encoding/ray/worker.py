@@ -13,11 +13,11 @@ from cachegraft_cli.encoding.plan import Chunk, EncodeOptions, EncodeSummary, en
 from cachegraft_cli.errors import CacheGraftError
 from cachegraft_cli.session import ModelChoice, ModelSession
 
-ENGINE = "ray"
+RUNNER = "ray"
 
 
 def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool) -> dict | None:
-    """Make the store (prefix cache, identity) exactly as the local engine does; runs where the models can load.
+    """Make the store (prefix cache, identity) exactly as the local runner does; runs where the models can load.
     Our own errors come back as data (`error_record`), not raised: Ray would wrap them."""
     try:
         ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache)
@@ -80,7 +80,7 @@ class FuseWriter:
         from cachegraft_cli.store.parallel import SegmentWriter
 
         summary = EncodeSummary(store=self.store.loc.url)
-        with SegmentWriter(self.store, run_info(chunks, ENGINE)) as writer:
+        with SegmentWriter(self.store, run_info(chunks, RUNNER)) as writer:
             encode_window(chunks, writer, self.session, self.options, summary)
             entry = writer.commit()
         if entry is None:  # windows are never empty
