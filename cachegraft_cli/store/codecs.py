@@ -15,7 +15,7 @@ import numpy as np
 
 from cachegraft_cli.errors import UsageError
 
-CODECS = ("bf16", "int8", "int4", "float32")
+CODECS = ("bf16", "int8", "int4", "k4v2", "int2", "float32")
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -38,18 +38,22 @@ def _geometry(geometry: dict) -> tuple[int, int, int]:
 # ---- bf16 ----------------------------------------------------------------
 
 
-def to_bf16_words(x: np.ndarray) -> np.ndarray:
-    """float32 -> upper 16 bits, rounding to nearest even (exact bf16 values are kept bit for bit)."""
+def to_bf16_words(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 -> upper 16 bits, rounding to nearest even (exact bf16 values are kept bit for bit);
+    written into `out` (uint16, x's shape) when given."""
     x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16) if out is None else out
     halves = x.view("<u2") if np.little_endian else x.astype("<f4").view("<u2")
     if not halves[..., 0::2].any():  # already bf16 (the usual case): take the upper words as they are
-        return halves[..., 1::2].astype(np.uint16)
+        np.copyto(out, halves[..., 1::2])
+        return out
     u = x.view(np.uint32)
     words = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
     nan = np.isnan(x)
     if nan.any():  # keep NaN a (quiet) NaN instead of letting the carry turn it into inf
         words[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return words
+    np.copyto(out, words)
+    return out
 
 
 def from_bf16_words(words: np.ndarray) -> np.ndarray:
@@ -110,13 +114,32 @@ def _quantise_asym(x: np.ndarray, zero: np.ndarray, scale: np.ndarray, levels: i
 # ---- codecs ------------------------------------------------------------------
 
 
+def as_float32(x) -> np.ndarray:
+    """A cache as float32 numpy: numpy arrays as they are, torch tensors moved to the CPU first."""
+    if not hasattr(x, "detach"):
+        return np.asarray(x, dtype=np.float32)
+    return x.detach().to(device="cpu", dtype=_torch().float32).numpy()
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
 class Codec:
     name = ""
     STORED_DEFAULTS: dict = {}  # see get_codec(stored=True)
+    stage_dtype = "float32"  # what the writer buffers until a block is encoded (see `stage`)
 
     def __init__(self, geometry: dict, params: dict | None = None):
         self.layers, self.heads, self.head_dim = _geometry(geometry)
         self.params = dict(params or {})
+
+    def stage(self, x, out: np.ndarray) -> None:
+        """Copy one passage's cache (float32 numpy, or a torch tensor on any device) into the
+        writer's block buffer `out`; `encode` later takes the whole buffered block."""
+        out[...] = as_float32(x)
 
     def components(self) -> list[Component]:
         raise NotImplementedError
@@ -137,12 +160,23 @@ class Bf16Codec(Codec):
     """Lossless for bf16-representable float32: raw 16-bit words."""
 
     name = "bf16"
+    stage_dtype = "uint16"  # the writer buffers the words themselves: half the bytes, no second pass
 
     def components(self) -> list[Component]:
         return [Component("data", "uint16", 1, (self.layers, 2, self.heads, self.head_dim))]
 
+    def stage(self, x, out):
+        if not hasattr(x, "detach"):
+            to_bf16_words(np.asarray(x, dtype=np.float32), out)
+            return
+        torch = _torch()
+        t = x.detach()
+        if t.dtype != torch.bfloat16:  # torch rounds to nearest even, as to_bf16_words does
+            t = t.to(torch.bfloat16)
+        out[...] = t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
     def encode(self, x):
-        return {"data": to_bf16_words(x)}
+        return {"data": x if x.dtype == np.uint16 else to_bf16_words(x)}
 
     def decode(self, parts, start, stop):
         return from_bf16_words(parts["data"])
@@ -256,7 +290,94 @@ class Int4Codec(Codec):
         return q
 
 
-_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, Float32Codec)}
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """`bits`-bit codes (uint8) packed along the last axis, 8 // bits per byte: code j of a
+    byte sits at bit bits*j (for 4 bits, the nibble order of `_pack_nibbles`)."""
+    per = 8 // bits
+    c = codes.reshape(codes.shape[:-1] + (-1, per))
+    out = c[..., 0].copy()
+    for j in range(1, per):
+        out |= c[..., j] << np.uint8(bits * j)
+    return out
+
+
+def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+    out = np.empty(packed.shape + (per,), np.uint8)
+    for j in range(per):
+        out[..., j] = (packed >> np.uint8(bits * j)) & mask
+    return out.reshape(packed.shape[:-1] + (-1,))
+
+
+class KiviCodec(Codec):
+    """Asymmetric low-bit KV after KIVI: keys per channel over groups of `key_group` tokens
+    (key outliers live in channels), values per token over groups of `value_group` channels;
+    `key_bits` / `value_bits` of 2 or 4, x = zero + q * scale with float16 zero and scale
+    chosen so nothing clips. Keys and values are separate components (their own bit widths)."""
+
+    DEFAULTS: dict = {}
+
+    def __init__(self, geometry, params=None):
+        super().__init__(geometry, {**self.DEFAULTS, **(params or {})})
+        self.kb, self.vb = int(self.params["key_bits"]), int(self.params["value_bits"])
+        self.kg = int(self.params["key_group"])
+        self.vg = min(int(self.params["value_group"]), self.head_dim)
+        self.params.update(value_group=self.vg)
+        if self.kb not in (2, 4) or self.vb not in (2, 4) or self.kg < 1:
+            raise UsageError(f"{self.name} takes key_bits and value_bits of 2 or 4 and key_group >= 1, got "
+                             f"{self.kb}, {self.vb}, {self.kg}.")
+        if self.head_dim % 4 or self.head_dim % self.vg:
+            raise UsageError(f"{self.name} needs a head_dim divisible by 4 and by value_group={self.vg}, "
+                             f"got {self.head_dim}.")
+
+    def components(self) -> list[Component]:
+        lay, h, d = self.layers, self.heads, self.head_dim
+        return [Component("kdata", "uint8", 1, (lay, h, d * self.kb // 8)),
+                Component("vdata", "uint8", 1, (lay, h, d * self.vb // 8)),
+                Component("kscale", "float16", self.kg, (lay, h, d)),
+                Component("kzero", "float16", self.kg, (lay, h, d)),
+                Component("vscale", "float16", 1, (lay, h, d // self.vg)),
+                Component("vzero", "float16", 1, (lay, h, d // self.vg))]
+
+    def encode(self, x):
+        k, v = x[:, :, 0], x[:, :, 1]
+        groups = -(-len(k) // self.kg)  # a partial last group is padded with its own last token
+        kg = np.concatenate([k, np.repeat(k[-1:], groups * self.kg - len(k), axis=0)])
+        kg = kg.reshape((groups, self.kg) + k.shape[1:])
+        kzero, kscale = _zeros_and_scales(kg.min(axis=1), kg.max(axis=1), 2**self.kb - 1)
+        kq = _quantise_asym(kg, kzero[:, None], kscale[:, None], 2**self.kb - 1).reshape((-1,) + k.shape[1:])
+        vs = v.reshape(v.shape[:-1] + (-1, self.vg))
+        vzero, vscale = _zeros_and_scales(vs.min(axis=-1), vs.max(axis=-1), 2**self.vb - 1)
+        vq = _quantise_asym(vs, vzero[..., None], vscale[..., None], 2**self.vb - 1).reshape(v.shape)
+        return {"kdata": pack_bits(kq[: len(k)], self.kb), "vdata": pack_bits(vq, self.vb),
+                "kscale": kscale, "kzero": kzero, "vscale": vscale, "vzero": vzero}
+
+    def decode(self, parts, start, stop):
+        rows = np.arange(start, stop) // self.kg - start // self.kg
+        out = np.empty((stop - start, self.layers, 2, self.heads, self.head_dim), np.float32)
+        k = unpack_bits(parts["kdata"], self.kb).astype(np.float32)
+        out[:, :, 0] = k * parts["kscale"][rows].astype(np.float32) + parts["kzero"][rows].astype(np.float32)
+        v = unpack_bits(parts["vdata"], self.vb).astype(np.float32).reshape(k.shape[:-1] + (-1, self.vg))
+        v = v * parts["vscale"].astype(np.float32)[..., None] + parts["vzero"].astype(np.float32)[..., None]
+        out[:, :, 1] = v.reshape(k.shape)
+        return out
+
+
+class K4V2Codec(KiviCodec):
+    """int4 keys, 2-bit values."""
+
+    name = "k4v2"
+    DEFAULTS = {"key_bits": 4, "value_bits": 2, "key_group": 128, "value_group": 32}
+
+
+class Int2Codec(KiviCodec):
+    """2-bit keys and values."""
+
+    name = "int2"
+    DEFAULTS = {"key_bits": 2, "value_bits": 2, "key_group": 128, "value_group": 32}
+
+
+_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K4V2Codec, Int2Codec, Float32Codec)}
 
 
 def get_codec(name: str, geometry: dict, params: dict | None = None, stored: bool = False) -> Codec:

@@ -28,26 +28,30 @@ def numcodecs_compressor(spec: dict):
     return None
 
 
-def _with_crc(payload: bytes) -> bytes:
-    return payload + np.uint32(google_crc32c.value(payload)).astype("<u4").tobytes()
+def _crc_bytes(payload) -> bytes:
+    return np.uint32(google_crc32c.value(payload)).astype("<u4").tobytes()
 
 
 def encode_shard(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, compressor) -> bytes:
-    """One shard from up to `rows_per_chunk * chunks_per_shard` rows (axis 0) of a component."""
+    """One shard from up to `rows_per_chunk * chunks_per_shard` rows (axis 0) of a component.
+
+    One compressor call and one crc32c per inner chunk, over views of `rows` (no copy but
+    the zero padding of a short last chunk), and one join of the pieces at the end."""
+    if rows.dtype.byteorder == ">" or (rows.dtype.byteorder == "=" and not np.little_endian):
+        rows = rows.astype(rows.dtype.newbyteorder("<"))
+    rows = np.ascontiguousarray(rows)
     pieces, index = [], np.full((chunks_per_shard, 2), EMPTY, dtype="<u8")
     offset = 0
-    for j in range(chunks_per_shard):
+    for j in range(-(-len(rows) // rows_per_chunk)):
         chunk = rows[j * rows_per_chunk: (j + 1) * rows_per_chunk]
-        if not len(chunk):
-            break
         if len(chunk) < rows_per_chunk:
             chunk = np.concatenate([chunk, np.zeros((rows_per_chunk - len(chunk),) + chunk.shape[1:], chunk.dtype)])
-        raw = np.ascontiguousarray(chunk.astype(chunk.dtype.newbyteorder("<")))
-        data = _with_crc(bytes(compressor.encode(raw)) if compressor is not None else raw.tobytes())
-        index[j] = (offset, len(data))
-        pieces.append(data)
-        offset += len(data)
-    pieces.append(_with_crc(index.tobytes()))
+        payload = bytes(compressor.encode(chunk)) if compressor is not None else chunk.tobytes()
+        pieces += [payload, _crc_bytes(payload)]
+        index[j] = (offset, len(payload) + 4)
+        offset += len(payload) + 4
+    table = index.tobytes()
+    pieces += [table, _crc_bytes(table)]
     return b"".join(pieces)
 
 

@@ -43,7 +43,10 @@ class StoreWriter:
         self.rows: list[PassageRow] = []
         self.spans: list[tuple[int, int]] = []
         self.crcs: list[dict] = []
-        self._buffer: dict[str, list[np.ndarray]] = {k: [] for k in store.kinds}
+        # one block buffer per kind, a whole shard long, in the codec's staging form: each passage
+        # is copied in once and a full buffer is encoded and written as one new shard
+        self._block = {k: np.empty((store.shard_tokens,) + store.token_shape, store.codec.stage_dtype)
+                       for k in store.kinds}
         self._buffered = 0
         self._written = 0
         self._arrays: dict = {}
@@ -86,55 +89,61 @@ class StoreWriter:
     def has_hash(self, content_hash: str) -> bool:
         return content_hash in self._hashes or self.store.has_hash(content_hash)
 
-    def add(self, row: PassageRow, caches: dict[str, np.ndarray]) -> PassageRow:
-        """Buffer one passage; whole shards are written as they fill."""
+    def add(self, row: PassageRow, caches: dict) -> PassageRow:
+        """Buffer one passage (float32 numpy arrays, or torch tensors on any device); whole
+        shards are written as they fill."""
         self._check_open()
-        arrays = self._check_caches(row, caches)
-        n = len(next(iter(arrays.values())))
+        n = self._check_caches(row, caches)
         stored = dataclasses.replace(row, tokens=n, segment=self.name, offset=self.tokens,
                                      content_hash=row.content_hash or content_hash_of(row.text),
                                      metadata=dict(row.metadata or {}))
-        for kind, arr in arrays.items():
-            self._buffer[kind].append(arr)
         self.rows.append(stored)
         self.spans.append((stored.offset, stored.offset + n))
         self.crcs.append(checksums.empty(self.store.kinds, self.store.codec.components()))
         self._hashes.add(stored.content_hash)
-        self._buffered += n
-        if self._buffered >= self.store.shard_tokens:
-            self._flush(final=False)
+        try:
+            self._stage(caches, n)
+        except BaseException:  # a half-staged passage would leave rows and shards disagreeing
+            self.abort()
+            raise
         return stored
 
-    def _check_caches(self, row: PassageRow, caches: dict) -> dict[str, np.ndarray]:
+    def _check_caches(self, row: PassageRow, caches: dict) -> int:
+        """The passage's token count, after checking kinds and shapes (nothing is copied yet)."""
         if not isinstance(row, PassageRow) or not row.id:
             raise UsageError("add() needs a PassageRow with an id.")
         if set(caches) != set(self.store.kinds):
             raise UsageError(f"passage {row.id!r}: got caches {sorted(caches)}, the store holds "
                              f"{sorted(self.store.kinds)}.")
-        arrays = {k: np.asarray(caches[k], dtype=np.float32) for k in self.store.kinds}
         want = self.store.token_shape
-        lengths = {a.shape[0] if a.ndim == 5 else -1 for a in arrays.values()}
-        for kind, a in arrays.items():
-            if a.ndim != 5 or a.shape[1:] != want or a.shape[0] < 1:
-                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {a.shape}, expected (tokens>=1, "
+        shapes = {k: tuple(getattr(caches[k], "shape", np.shape(caches[k]))) for k in self.store.kinds}
+        for kind, shape in shapes.items():
+            if len(shape) != 5 or shape[1:] != want or shape[0] < 1:
+                raise UsageError(f"passage {row.id!r}: {kind} cache has shape {shape}, expected (tokens>=1, "
                                  f"{', '.join(map(str, want))}).")
-        if len(lengths) != 1:
+        if len({s[0] for s in shapes.values()}) != 1:
             raise UsageError(f"passage {row.id!r}: cache kinds differ in token count.")
-        return arrays
+        return shapes[self.store.kinds[0]][0]
 
     # -- flushing -------------------------------------------------------------
 
-    def _flush(self, final: bool) -> None:
-        shard = self.store.shard_tokens
-        if not self._buffered:
-            return
-        blocks = {k: np.concatenate(v, axis=0) for k, v in self._buffer.items()}
-        size = self._buffered if final else (self._buffered // shard) * shard
-        for start in range(0, size, shard):
-            stop = min(start + shard, size)
-            self._write_block({k: b[start:stop] for k, b in blocks.items()})
-        self._buffer = {k: ([b[size:]] if size < len(b) else []) for k, b in blocks.items()}
-        self._buffered -= size
+    def _stage(self, caches: dict, n: int) -> None:
+        """Copy the passage into the block buffers, writing each buffer that fills as a shard."""
+        shard, done = self.store.shard_tokens, 0
+        while done < n:
+            take = min(n - done, shard - self._buffered)
+            for kind, x in caches.items():
+                part = x if take == n else x[done: done + take]
+                self.store.codec.stage(part, self._block[kind][self._buffered: self._buffered + take])
+            self._buffered += take
+            done += take
+            if self._buffered == shard:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._buffered:
+            self._write_block({k: b[: self._buffered] for k, b in self._block.items()})
+            self._buffered = 0
 
     def _write_block(self, block: dict[str, np.ndarray]) -> None:
         start = self._written
@@ -180,7 +189,7 @@ class StoreWriter:
             self.lock.release()
 
     def _commit(self) -> dict:
-        self._flush(final=True)
+        self._flush()
         self._resize_arrays()
         loc = self.store.loc
         table = build_table(self.name, self.rows, self.crcs)

@@ -1,0 +1,162 @@
+"""StoreWriter CPU cost per token, per codec and geometry, and the cache load `ask` does at k=5.
+
+Random bf16-valued caches (log-normal channel scales, so the quantisers see outliers as in
+real KV), written by one `StoreWriter` session into a fresh local store; one thread
+(`torch.set_num_threads(1)`, blosc 1 thread), CPU time by `time.process_time`.
+MB/s per core counts raw bf16 KV bytes (what the caches are before any codec).
+
+    python benchmarks/writer_speed.py [--codecs bf16,int4] [--geometries qwen3-0.6b,offline]
+        [--tokens 3072] [--input numpy|torch-bf16] [--read] [--json]
+
+Run it under another checkout (PYTHONPATH=OTHER python benchmarks/writer_speed.py) for
+before/after figures: codecs that checkout lacks are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+GEOMETRIES = {
+    "qwen3-0.6b": {"layers": 28, "kv_heads": 8, "head_dim": 128},
+    "offline": {"layers": 24, "kv_heads": 2, "head_dim": 64},  # Qwen2.5-Coder-0.5B, the offline receiver
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--codecs", default="", help="comma list (default: every codec this checkout knows)")
+    p.add_argument("--geometries", default="qwen3-0.6b,offline")
+    p.add_argument("--tokens", type=int, default=3072, help="tokens written per measurement")
+    p.add_argument("--passage-tokens", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=3, help="measurements per cell (the median is printed)")
+    p.add_argument("--input", choices=("numpy", "torch-bf16"), default="numpy",
+                   help="what add() gets: float32 numpy (as encode hands it today) or bf16 torch tensors")
+    p.add_argument("--read", action="store_true", help="also time CacheStore.read of 5 passages of 150 tokens")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args()
+
+
+def one_thread() -> None:
+    import numcodecs.blosc
+    import torch
+
+    torch.set_num_threads(1)
+    numcodecs.blosc.set_nthreads(1)
+
+
+def identity(codec: str, geometry: dict) -> dict:
+    return {"receiver": {"name": "bench/receiver"}, "sharer": {"name": "bench/sharer"}, "fuser": None,
+            "template": {"name": "plain", "version": 1}, "prefix_token_ids": [], "position_scheme": "canonical",
+            "dtype": "bfloat16", "codec": codec, "geometry": geometry}
+
+
+def pool(geometry: dict, tokens: int, seed: int = 0) -> np.ndarray:
+    """bf16-representable float32 `(tokens, layers, 2, heads, head_dim)`, per-channel log-normal scales."""
+    import torch
+
+    shape = (geometry["layers"], 2, geometry["kv_heads"], geometry["head_dim"])
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(shape, generator=g))
+    x = torch.randn((tokens,) + shape, generator=g) * scale
+    return x.to(torch.bfloat16).to(torch.float32).numpy()
+
+
+def passages(data: np.ndarray, total: int, n: int, kind: str):
+    import torch
+
+    for i, start in enumerate(range(0, total, n)):
+        size = min(n, total - start)
+        off = (start * 7) % (len(data) - size)
+        x = data[off: off + size]
+        yield i, (torch.from_numpy(x).to(torch.bfloat16) if kind == "torch-bf16" else x)
+
+
+def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> float:
+    """CPU seconds of one writer session (create not counted): add every passage, commit."""
+    from cachegraft_cli.store import CacheStore, PassageRow
+
+    shape = data.shape[1:]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32))
+        items = list(passages(data, args.tokens, args.passage_tokens, args.input))
+        t0 = time.process_time()
+        with store.writer() as w:
+            for i, x in items:
+                w.add(PassageRow(id=f"p{i}", content_hash=f"h{i}"), {"fused": x})
+        cpu = time.process_time() - t0
+        info = CacheStore.open(f"{tmp}/s").info()
+    return cpu, info["bytes_per_token"]["fused"], info["nominal_bytes_per_token"]
+
+
+def read_cell(codec: str, geometry: dict, data: np.ndarray, reps: int = 40) -> dict:
+    """`ask`'s cache load at k=5: `CacheStore.read` of 5 random passages of 150 tokens, fresh handle each
+    time (as a new `ask` opens the store), over 40 passages."""
+    from cachegraft_cli.store import CacheStore, PassageRow
+
+    shape = data.shape[1:]
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32))
+        with store.writer() as w:
+            for i in range(40):
+                off = (i * 97) % (len(data) - 150)
+                w.add(PassageRow(id=f"p{i}", content_hash=f"h{i}"), {"fused": data[off: off + 150]})
+        walls, cpus = [], []
+        for _ in range(reps):
+            ids = [f"p{j}" for j in rng.choice(40, 5, replace=False)]
+            s = CacheStore.open(f"{tmp}/s")
+            t0, c0 = time.perf_counter(), time.process_time()
+            s.read(ids)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    return {"read_ms_wall": 1e3 * statistics.median(walls), "read_ms_cpu": 1e3 * statistics.median(cpus)}
+
+
+def main() -> None:
+    args = parse_args()
+    one_thread()
+    from cachegraft_cli.store import CODECS, raw_bf16_bytes_per_token
+
+    wanted = [c for c in args.codecs.split(",") if c] or list(CODECS)
+    rows = []
+    for gname in args.geometries.split(","):
+        geometry = GEOMETRIES[gname]
+        raw = raw_bf16_bytes_per_token(geometry)
+        data = pool(geometry, 1024 if gname == "qwen3-0.6b" else 4096)
+        for codec in wanted:
+            if codec not in CODECS:
+                print(f"# {codec}: not in this checkout, skipped", file=sys.stderr)
+                continue
+            runs = [write_once(codec, geometry, data, args) for _ in range(args.repeats)]
+            cpu = statistics.median(r[0] for r in runs)
+            us = 1e6 * cpu / args.tokens
+            row = {"geometry": gname, "codec": codec, "input": args.input, "tokens": args.tokens,
+                   "us_per_token": us, "mb_per_s_per_core": raw / us, "bytes_per_token": runs[0][1],
+                   "nominal_bytes_per_token": runs[0][2], "ratio_to_raw_bf16": runs[0][1] / raw}
+            if args.read:
+                row.update(read_cell(codec, geometry, data))
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                extra = f"  read k=5 {row['read_ms_wall']:6.1f} ms wall {row['read_ms_cpu']:6.1f} ms cpu" \
+                    if args.read else ""
+                print(f"{gname:11s} {codec:8s} {us:8.1f} us/token {raw / us:7.1f} MB/s/core  "
+                      f"{row['bytes_per_token']:9.1f} B/token ({row['ratio_to_raw_bf16']:.3f}x raw){extra}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
