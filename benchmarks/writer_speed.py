@@ -7,6 +7,7 @@ MB/s per core counts raw bf16 KV bytes (what the caches are before any codec).
 
     python benchmarks/writer_speed.py [--codecs bf16,int4] [--geometries qwen3-0.6b,offline]
         [--tokens 3072] [--input numpy|torch-bf16] [--read] [--json]
+        [--receiver MODEL_DIR]   # bytes and error on that receiver's own KV of sample_data passages
 
 Run it under another checkout (PYTHONPATH=OTHER python benchmarks/writer_speed.py) for
 before/after figures: codecs that checkout lacks are skipped.
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +46,10 @@ def parse_args():
     p.add_argument("--input", choices=("numpy", "torch-bf16"), default="numpy",
                    help="what add() gets: float32 numpy (as encode hands it today) or bf16 torch tensors")
     p.add_argument("--read", action="store_true", help="also time CacheStore.read of 5 passages of 150 tokens")
+    p.add_argument("--receiver", default="", help="model dir: also measure bytes and reconstruction error per "
+                   "codec on this receiver's own KV of --corpus passages")
+    p.add_argument("--corpus", default=str(Path(__file__).resolve().parents[1] / "sample_data" / "corpus.jsonl"))
+    p.add_argument("--passages", type=int, default=10)
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -124,12 +130,65 @@ def read_cell(codec: str, geometry: dict, data: np.ndarray, reps: int = 40) -> d
     return {"read_ms_wall": 1e3 * statistics.median(walls), "read_ms_cpu": 1e3 * statistics.median(cpus)}
 
 
+def real_kv(receiver: str, corpus: str, n: int) -> list[np.ndarray]:
+    """The receiver's own KV of the first `n` passages (first 160 tokens each), token-major, bf16 values
+    (the forward runs in float32: bf16 matmuls are slow on CPUs without AVX512-BF16)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cachegraft_cli.lm import kvcache
+
+    tok = AutoTokenizer.from_pretrained(receiver)
+    model = AutoModelForCausalLM.from_pretrained(receiver, dtype=torch.float32).eval()
+    texts = [json.loads(line)["text"] for line in Path(corpus).read_text().splitlines() if line.strip()][:n]
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tok(text, return_tensors="pt").input_ids[:, :160]
+            kv = kvcache.from_model_cache(model(ids, use_cache=True).past_key_values)
+            out.append(kvcache.to_token_major([(k[0].to(torch.bfloat16), v[0].to(torch.bfloat16)) for k, v in kv]))
+    return out
+
+
+def error_rows(caches: list[np.ndarray], codecs: list[str]) -> list[dict]:
+    """Per codec: stored bytes per token (one segment, as `store info` measures) and the relative RMS
+    error of keys and values over all passages, read back from the store."""
+    from cachegraft_cli.store import CacheStore, PassageRow, raw_bf16_bytes_per_token
+
+    layers, _, heads, dim = caches[0].shape[1:]
+    geometry = {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)}
+    x = np.concatenate(caches)
+    rows = []
+    for codec in codecs:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+            store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + x.shape[1:], np.float32))
+            with store.writer() as w:
+                for i, c in enumerate(caches):
+                    w.add(PassageRow(id=f"p{i}", content_hash=f"h{i}"), {"fused": c})
+            again = CacheStore.open(f"{tmp}/s")
+            y = np.concatenate(again.read([f"p{i}" for i in range(len(caches))]))
+            info = again.info()
+        err = {f"rel_rms_{n}": float(np.sqrt(((y[:, :, j] - x[:, :, j]) ** 2).sum() / (x[:, :, j] ** 2).sum()))
+               for j, n in enumerate(("k", "v"))}
+        raw = raw_bf16_bytes_per_token(geometry)
+        rows.append({"codec": codec, "tokens": len(x), "bytes_per_token": info["bytes_per_token"]["fused"],
+                     "nominal_bytes_per_token": info["nominal_bytes_per_token"],
+                     "ratio_to_raw_bf16": info["bytes_per_token"]["fused"] / raw, **err})
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     one_thread()
     from cachegraft_cli.store import CODECS, raw_bf16_bytes_per_token
 
     wanted = [c for c in args.codecs.split(",") if c] or list(CODECS)
+    if args.receiver:
+        for row in error_rows(real_kv(args.receiver, args.corpus, args.passages), [c for c in wanted if c in CODECS]):
+            print(json.dumps(row) if args.json else
+                  f"real KV {row['codec']:8s} {row['bytes_per_token']:8.1f} B/token ({row['ratio_to_raw_bf16']:.3f}x "
+                  f"raw, nominal {row['nominal_bytes_per_token']:.0f})  rel RMS error K {row['rel_rms_k']:.4f} "
+                  f"V {row['rel_rms_v']:.4f}", flush=True)
     rows = []
     for gname in args.geometries.split(","):
         geometry = GEOMETRIES[gname]

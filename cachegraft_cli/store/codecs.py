@@ -15,7 +15,7 @@ import numpy as np
 
 from cachegraft_cli.errors import UsageError
 
-CODECS = ("bf16", "int8", "int4", "k4v2", "int2", "float32")
+CODECS = ("bf16", "int8", "int4", "k2v4", "int2", "float32")
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -363,11 +363,11 @@ class KiviCodec(Codec):
         return out
 
 
-class K4V2Codec(KiviCodec):
-    """int4 keys, 2-bit values."""
+class K2V4Codec(KiviCodec):
+    """2-bit keys, int4 values."""
 
-    name = "k4v2"
-    DEFAULTS = {"key_bits": 4, "value_bits": 2, "key_group": 128, "value_group": 32}
+    name = "k2v4"
+    DEFAULTS = {"key_bits": 2, "value_bits": 4, "key_group": 128, "value_group": 64}
 
 
 class Int2Codec(KiviCodec):
@@ -377,7 +377,7 @@ class Int2Codec(KiviCodec):
     DEFAULTS = {"key_bits": 2, "value_bits": 2, "key_group": 128, "value_group": 32}
 
 
-_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K4V2Codec, Int2Codec, Float32Codec)}
+_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K2V4Codec, Int2Codec, Float32Codec)}
 
 
 def get_codec(name: str, geometry: dict, params: dict | None = None, stored: bool = False) -> Codec:

@@ -20,7 +20,7 @@ from cachegraft_cli.store.codecs import CODECS, get_codec
 FIXTURES = Path(__file__).parent / "fixtures" / "format2"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text()) if FIXTURES.exists() else {}
 OLD_CODECS = ("bf16", "int8", "int4", "float32")
-PARAMS = {"int4": {"key_group": 32}, "k4v2": {"key_group": 32}, "int2": {"key_group": 32}}
+PARAMS = {"int4": {"key_group": 32}, "k2v4": {"key_group": 32}, "int2": {"key_group": 32}}
 
 
 def digest(arr: np.ndarray) -> str:
@@ -82,7 +82,7 @@ def test_passages_longer_than_a_shard_round_trip(tmp_path, codec):
     whole = codec_.decode(codec_.encode(joined), 0, len(joined))
     got = again.read(list(data))
     starts = np.cumsum([0] + [len(x) for x in data.values()])
-    for (pid, x), start, arr in zip(data.items(), starts, got):
+    for x, start, arr in zip(data.values(), starts, got):
         assert arr.shape == x.shape
         assert np.array_equal(arr, whole[start: start + len(x)])
         if codec in ("bf16", "float32"):
@@ -93,7 +93,7 @@ def test_passages_longer_than_a_shard_round_trip(tmp_path, codec):
 TOKEN_SHAPE_GEOMETRY = {"layers": TOKEN_SHAPE[0], "kv_heads": TOKEN_SHAPE[2], "head_dim": TOKEN_SHAPE[3]}
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int4", "k4v2"])
+@pytest.mark.parametrize("codec", ["bf16", "int4", "k2v4"])
 def test_torch_tensors_make_the_same_store_as_numpy_arrays(tmp_path, codec):
     """bf16 torch tensors (as the fuser makes them) and their float32 numpy copies give
     the same stored bytes: same checksums, same decoded caches."""
