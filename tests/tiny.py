@@ -83,7 +83,7 @@ def _scale_up(model) -> None:
     import torch
 
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(6.0)
 

@@ -29,7 +29,8 @@ def _offline_logits(receiver, engine, passage_kv, prefix_len, passage_len, quest
 
 def _open_fuser(receiver, sharer, seed=0):
     torch.manual_seed(seed)
-    fuser = Fuser.create(receiver.spec, sharer.spec, receiver.geometry, sharer.geometry, hidden_dim=32, intermediate_dim=32)
+    fuser = Fuser.create(receiver.spec, sharer.spec, receiver.geometry, sharer.geometry,
+                         hidden_dim=32, intermediate_dim=32)
     fuser.set_gates(1.0)  # positive logits: hard gates open
     return fuser.eval()
 
@@ -100,7 +101,8 @@ def test_key_rerotation_matches_encoding_at_shifted_positions(tiny_models):
             torch.testing.assert_close(kr, ks, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(vr, vs, atol=1e-4, rtol=1e-4)
         q_pos = torch.arange(delta + n, delta + n + len(question))[None]
-        a = r.model(input_ids=torch.tensor([question]), cache=kvcache.to_model_cache(rotated, r.model.config), position_ids=q_pos)
+        a = r.model(input_ids=torch.tensor([question]), cache=kvcache.to_model_cache(rotated, r.model.config),
+                    position_ids=q_pos)
         b = r.model(input_ids=torch.tensor([question]), cache=shifted, position_ids=q_pos)
     assert (a.logits - b.logits).abs().max() <= 1e-4
 

@@ -42,7 +42,8 @@ def test_rows_keep_every_field_and_prefix(url, rng):
     again = CacheStore.open(url)
     rows = {r.id: r for r in again.rows()}
     r = rows["p4"]
-    assert (r.title, r.text, r.content_hash, r.metadata) == ("Title 4", "passage text 4", "hash4", {"n": 4, "tags": ["a", "b"]})
+    assert (r.title, r.text, r.content_hash, r.metadata) == ("Title 4", "passage text 4", "hash4",
+                                                             {"n": 4, "tags": ["a", "b"]})
     assert (r.parent_id, r.chunk_index) == ("doc1", 1)
     assert r.tokens == len(again.read(["p4"])[0]) and r.segment == again.segments[0]["name"]
     assert again.get_rows(["p2"])[0] == rows["p2"]
@@ -122,7 +123,8 @@ def test_int4_store_from_before_zero_points_still_decodes_symmetric(url, rng):
     del root["attributes"]["cachegraft"]["codec_params"]["zero_point"]
     store.loc.write_json_atomic("zarr.json", root)
     again = CacheStore.open(url)
-    assert again.codec.params == {**old, "value_group": 8} and [c.name for c in again.codec.components()] == ["data", "kscale", "vscale"]
+    assert again.codec.params == {**old, "value_group": 8}
+    assert [c.name for c in again.codec.components()] == ["data", "kscale", "vscale"]
     fill(again, rng, range(4, 6), lengths=(30, 90))  # appends keep the store's codec
     for pid, got in zip(["p1", "p3"], CacheStore.open(url).read(["p1", "p3"])):
         assert np.linalg.norm(got - data[pid]["fused"]) / np.linalg.norm(data[pid]["fused"]) < 0.15
@@ -235,7 +237,8 @@ def test_reads_touch_only_the_chunks_they_span(url, rng):
     index = len(ids) * (16 * chunks_per_shard + 4)
     assert reader.stats.bytes <= 1.5 * stored + index
     rows = reader.get_rows(ids)
-    shards = {f"{r.offset // 1024}/0/0/0/0" for r in rows} | {f"{(r.offset + r.tokens - 1) // 1024}/0/0/0/0" for r in rows}
+    shards = ({f"{r.offset // 1024}/0/0/0/0" for r in rows}
+              | {f"{(r.offset + r.tokens - 1) // 1024}/0/0/0/0" for r in rows})
     assert {k.split("/data/c/")[1] for k in reader.stats.keys} == shards
 
 
