@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from cli_support import run_cli
+from tiny import open_fuser
 
 PASSAGES = [
     {"id": "harbor", "title": "Harbor town",
@@ -40,17 +41,10 @@ def _encode(capsys, monkeypatch, corpus, store, receiver, *extra):
 @pytest.fixture(scope="module")
 def open_fuser_dir(tiny_models, tmp_path_factory):
     """A random fuser for receiver <- sharer_same with its gates open."""
-    import torch
-
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
 
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(0)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
     path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
+    save_published(open_fuser(tiny_models["receiver"], tiny_models["sharer_same"]), path)
     return path
 
 
@@ -206,22 +200,12 @@ def test_debug_flag_shows_traceback(tmp_path, capsys, monkeypatch):
     assert code == 5 and "Traceback" in err
 
 
-def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_models, tmp_path, capsys, monkeypatch):
-    import torch
-
-    import cachegraft_cli.lm.models as models
+def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_models, tmp_path, capsys, monkeypatch,
+                                                           loads):
     from cachegraft_cli.fuser.checkpoint import save_own
-    from cachegraft_cli.fuser.fuser import Fuser
 
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(1)
-    adapter = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, sharer_input="zero",
-                           hidden_dim=16, intermediate_dim=16)
-    adapter.set_gates(1.0)
-    save_own(adapter, tmp_path / "adapter")
-    loaded = []
-    real = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    save_own(open_fuser(r, s, seed=1, width=16, sharer_input="zero"), tmp_path / "adapter")
     store = tmp_path / "store"
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"],
             "--sharer", tiny_dirs["sharer_same"], "--fuser", tmp_path / "adapter")
@@ -230,7 +214,7 @@ def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_model
                          "--max-new-tokens", 4)
     assert code == 0, err
     assert json.loads(out)["system"] == "adapter"
-    assert str(tiny_dirs["sharer_same"]) not in loaded  # neither encode nor ask ran the sharer
+    assert str(tiny_dirs["sharer_same"]) not in loads  # neither encode nor ask ran the sharer
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "graft")
     assert code == 2 and "--system adapter" in err
 
