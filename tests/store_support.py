@@ -61,6 +61,16 @@ def fill(store, rng, ids, lengths=(5, 40), kinds=("fused",), run_info=None) -> d
     return data
 
 
+def add_passages(url: str, ids, tokens: int = 20, seed: int = 7, run_info: dict | None = None) -> None:
+    """Open the store at `url` and add passages `ids`, `tokens` tokens each, in one writer session
+    (what a child process does in the kill tests)."""
+    store = CacheStore.open(url)
+    rng = np.random.default_rng(seed)
+    with store.writer(run_info) as w:
+        for i in ids:
+            w.add(row(i), {"fused": bf16_cache(rng, tokens)})
+
+
 def memory_url() -> str:
     return f"memory://cg-{uuid.uuid4().hex[:10]}/store"
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
-from paths import TESTS
+from faults import Cli, Faults
 from store_support import bf16_cache, decoded, fill, fingerprint, identity, prefix, row, same_caches
 
 from cachegraft_cli.store import CacheStore
@@ -110,43 +109,12 @@ def test_compact_cli(tmp_path, capsys, monkeypatch):
     assert info.value.code in (0, None) and report["segments_after"] == 1 and len(report["merged"][0]["from"]) == 4
 
 
-# A compaction that kills itself just before the named step (or sleeps mid-copy for the parent to kill).
-CHILD = r"""
-import os, signal, sys, time
-sys.path.insert(0, sys.argv[3])
-from cachegraft_cli.store import compact as compact_mod, location
-from cachegraft_cli.store.compact import CompactOptions, compact
-url, mode = sys.argv[1], sys.argv[2]
-
-def die(*a, **k):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-manifests = [0]
-real_json, real_bytes = location.Location.write_json_atomic, location.Location.write_bytes
-def write_json(self, rel, obj, compact=False):
-    if rel.endswith("commit.json") and mode == "before-commit-marker":
-        die()
-    if rel == "manifest.json":
-        manifests[0] += 1
-        if mode == f"before-manifest-{manifests[0]}":
-            die()
-    return real_json(self, rel, obj, compact)
-def write_bytes(self, rel, data):
-    if "/c/" in rel and mode == "mid-copy":
-        print("COPYING", flush=True)
-        time.sleep(60)
-    return real_bytes(self, rel, data)
-location.Location.write_json_atomic = write_json
-location.Location.write_bytes = write_bytes
-real_remove = location.Location.remove
-def remove(self, rel):
-    if mode == "mid-purge" and rel.startswith("segments/"):
-        die()
-    return real_remove(self, rel)
-location.Location.remove = remove
-compact(url, CompactOptions(target_bytes=int(sys.argv[4]), grace_seconds=float(sys.argv[5])))
-print("DONE", flush=True)
-"""
+# A compaction that kills itself just before the named step (or stalls mid-copy for the parent to kill).
+MODES = {"mid-copy": Faults(stall_before="write_bytes:*/c/*"),
+         "before-commit-marker": Faults(kill_before="write_json:*commit.json"),
+         "before-manifest-1": Faults(kill_before="write_json:manifest.json#1"),
+         "before-manifest-2": Faults(kill_before="write_json:manifest.json#2"),
+         "mid-purge": Faults(kill_before="remove:segments/*")}
 
 
 @pytest.mark.parametrize("mode", ["mid-copy", "before-commit-marker", "before-manifest-1", "before-manifest-2",
@@ -156,15 +124,15 @@ def test_sigkill_at_any_point_of_compaction(tmp_path, mode):
     _store(url, "int4", segments=6)
     sums, data = fingerprint(CacheStore.open(url)), decoded(CacheStore.open(url))
     sizes = [sum(e["bytes"].values()) for e in CacheStore.open(url).segments]
-    target, grace = str(max(sizes) * 2 + 1), "3600"  # several groups: the kill can fall between two swaps
+    target, grace = max(sizes) * 2 + 1, 3600.0  # several groups: the kill can fall between two swaps
     if mode == "mid-purge":
-        compact(url, CompactOptions(target_bytes=int(target)))  # retire some, then purge them in the child
-        target, grace = str(1 << 40), "0"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, url, mode, str(TESTS), target, grace],
-                            stdout=subprocess.PIPE, text=True)
+        compact(url, CompactOptions(target_bytes=target))  # retire some, then purge them in the child
+        target, grace = 1 << 40, 0.0
+    proc = Cli(tmp_path / "logs").call(compact, url, CompactOptions(target_bytes=target, grace_seconds=grace),
+                                       faults=MODES[mode])
     if mode == "mid-copy":
-        assert proc.stdout.readline().strip() == "COPYING"
-        proc.send_signal(signal.SIGKILL)
+        proc.wait_for("STALLED")
+        proc.kill()
     assert proc.wait(timeout=120) == -signal.SIGKILL
     store = CacheStore.open(url)
     assert fingerprint(store) == sums and same_caches(store, data) and store.verify()["ok"]
