@@ -1,4 +1,4 @@
-"""The README and docs/*.md name only repository paths that exist: files and folders under the
+"""The READMEs and docs/*.md name only repository paths that exist: files and folders under the
 repository's top-level folders (in prose, code spans and code blocks), package-relative paths in
 code spans (`store/recover.py` is `cachegraft_cli/store/recover.py`), and relative markdown links."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from paths import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "benchmarks" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TOP = ("cachegraft_cli", "tests", "benchmarks", "docs", "sample_data", ".ci")
 PACKAGE = REPO / "cachegraft_cli"
 # a path-like word: segments of word characters, dots, dashes, `*` and `<...>` placeholders
@@ -49,7 +49,7 @@ def links(text: str) -> list[str]:
     return [t for t in LINK.findall(text) if not re.match(r"[a-z][\w+.-]*:", t)]
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
 def test_every_named_path_exists(doc):
     text = doc.read_text(encoding="utf-8")
     dead = sorted({w for w, root in named_paths(text) if not _exists(root, w)})
