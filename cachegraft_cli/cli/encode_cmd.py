@@ -30,7 +30,9 @@ def encode(
     sharer: SharerOpt = None,
     fuser: FuserOpt = None,
     codec: Annotated[
-        Optional[str], typer.Option(help="bf16 (lossless), int8 or int4 (default: the store's, bf16 for a new one).")
+        Optional[str],
+        typer.Option(help="bf16 (lossless), int8, int4, k2v4 (2-bit keys, int4 values: 0.21x raw bf16) or int2 "
+                     "(2-bit keys and values: 0.16x, coarse values) (default: the store's, bf16 for a new one)."),
     ] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
