@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -80,6 +80,7 @@ class Engine:
         self._closing = False
         self._checked = time.monotonic()
         self._thread: threading.Thread | None = None
+        self.batches: Counter[int] = Counter()  # how many batches of each size were decoded (GET /health)
 
     # -- set-up (before the server accepts anything) -------------------------------------------------
 
@@ -104,6 +105,9 @@ class Engine:
         return asker
 
     def start(self) -> None:
+        """Start the worker (once; a second call does nothing)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._loop, name="cachegraft-serve-worker", daemon=True)
         self._thread.start()
 
@@ -133,7 +137,8 @@ class Engine:
 
     def load(self) -> dict:
         with self._cond:
-            return {"waiting": len(self._queue), "admitted": self._admitted, "limit": self.settings.max_queue}
+            return {"waiting": len(self._queue), "admitted": self._admitted, "limit": self.settings.max_queue,
+                    "batches": {str(size): n for size, n in sorted(self.batches.items())}}
 
     def close(self) -> None:
         """Answer what is queued, then stop the worker."""
@@ -182,6 +187,8 @@ class Engine:
         live = [j for j in group if not j.cancelled.is_set() and j.future.set_running_or_notify_cancel()]
         try:
             if live:
+                if live[0].kind == "ask":
+                    self.batches[len(live)] += 1
                 self._answer(live)
         finally:
             for job in group:
