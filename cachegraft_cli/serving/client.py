@@ -21,7 +21,11 @@ class Client:
     """A connection to a server (`url` like http://127.0.0.1:8000); `api_key` if it needs one."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
-        import httpx
+        try:
+            import httpx
+        except ImportError:
+            raise UsageError("`ask --server` needs httpx (the serve extra).",
+                             "Install it: pip install 'cachegraft[serve]'") from None
 
         if not url.startswith(("http://", "https://")):
             raise UsageError(f"--server {url!r} is not an http(s) URL.", "Use e.g. --server http://127.0.0.1:8000")
