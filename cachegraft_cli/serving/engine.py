@@ -241,7 +241,11 @@ class Engine:
     def _watch(self) -> None:
         every = self.settings.watch_seconds
         if every and time.monotonic() - self._checked >= every:
-            self.reload()
+            try:
+                self.reload()
+            except Exception as exc:  # noqa: BLE001 - a store mid-change must not stop the worker; next check retries
+                self._checked = time.monotonic()
+                self.log(f"warning: could not check the stores for changes ({type(exc).__name__}: {exc}).")
 
     def reload(self, force: bool = False) -> dict:
         """Swap in a fresh snapshot of each store whose manifest or index changed (every one
