@@ -90,7 +90,7 @@ def stream_once(url: str, model: str, question: str, max_tokens: int) -> tuple[f
 
 
 def load_level(url: str, model: str, clients: int, rounds: int, qs: list[str], max_tokens: int) -> dict:
-    """`clients` threads, each asking `rounds` questions one after another."""
+    """`clients` threads, each asking `rounds` questions one after another (all start at once)."""
     ttfts: list[float] = []
     lock = threading.Lock()
 
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="questions each client asks per level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--shell", type=int, default=3, help="questions for the shell ratio (0: skip)")
+    ap.add_argument("--systems", default="graft,text")
     ap.add_argument("--port", type=int, default=8765)
     args = ap.parse_args()
     if not models_pulled():
@@ -149,8 +150,8 @@ def main() -> None:
     try:
         stream_once(server.url, "bench", qs[0], args.max_tokens)  # first request: lazy set-up out of the figures
         for level in [int(c) for c in args.clients.split(",")]:
-            systems = ["bench/graft", "bench/text"] if level % 2 else ["bench/text", "bench/graft"]
-            for model in systems:
+            systems = [f"bench/{s}" for s in args.systems.split(",")]
+            for model in systems if level % 2 else systems[::-1]:  # the order alternates between levels
                 row = {"system": model.split("/")[1], **load_level(server.url, model, level, args.rounds, qs,
                                                                    args.max_tokens)}
                 log(f"  {row}")
