@@ -41,6 +41,8 @@ def serve(
     max_queue: Annotated[int, typer.Option(min=1, help="Questions waiting or being answered; one more gets "
                                                        "429.")] = 64,
     max_batch: Annotated[int, typer.Option(min=1, max=256, help="Questions decoded together.")] = 8,
+    batch_wait: Annotated[float, typer.Option(min=0.0, max=10000.0, help="Milliseconds the worker waits for more "
+                                                                         "questions to batch with one.")] = 25.0,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k a request may ask for.")] = 20,
     max_tokens: Annotated[int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")] = 512,
     max_body: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes.")] = 1 << 20,
@@ -66,7 +68,8 @@ def serve(
                           generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature))
     config = ServeConfig(parse_stores(store), host, port, api_key or None, defaults,
                          Limits(max_k=max_k, max_new_tokens=max_tokens, max_body=max_body),
-                         EngineSettings(max_queue=max_queue, max_batch=max_batch, watch_seconds=watch),
+                         EngineSettings(max_queue=max_queue, max_batch=max_batch, gather_seconds=batch_wait / 1000,
+                                        watch_seconds=watch),
                          sharer, device, dtype, index_kind, trust_remote_code)
     with showing_status(False):
         run_server(config, log, _announce)

@@ -59,7 +59,7 @@ class Job:
 class EngineSettings:
     max_queue: int = 64  # questions waiting or being answered; one more gets 429
     max_batch: int = 8  # questions decoded together
-    gather_seconds: float = 0.005  # how long the worker waits for companions once it has a question
+    gather_seconds: float = 0.025  # how long the worker waits for companions once it has a question
     watch_seconds: float = 2.0  # how often the stores are checked for changes (0: only on /v1/reload)
 
 
@@ -176,8 +176,9 @@ class Engine:
                 self._cond.wait(timeout=s.watch_seconds or None)
                 return []
             first = self._queue.popleft()
-            if first.kind == "ask" and len(self._queue) < s.max_batch - 1 and s.gather_seconds > 0:
-                self._cond.wait(timeout=s.gather_seconds)  # companions that arrive together join this batch
+            deadline = time.monotonic() + s.gather_seconds  # companions arriving by then join this batch
+            while first.kind == "ask" and len(self._queue) < s.max_batch - 1 and time.monotonic() < deadline:
+                self._cond.wait(timeout=deadline - time.monotonic())
             group = [first] + [j for j in self._queue if j.same_batch(first)][: s.max_batch - 1]
             for job in group[1:]:
                 self._queue.remove(job)
