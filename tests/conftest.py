@@ -78,3 +78,18 @@ def ray_cluster(s3_server):
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model, fuser or embedder load fails the test: every check must come first.
+    (A tokenizer alone may load: it reads no weights.)"""
+    from cachegraft_cli import fuser
+    from cachegraft_cli.lm import models
+    from cachegraft_cli.retrieval import index as retrieval
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    for module, name in ((models, "load_causal_lm"), (fuser, "load_fuser"), (retrieval, "load_embedder")):
+        monkeypatch.setattr(module, name, refuse)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -22,6 +22,9 @@ from cachegraft_cli.cli.options import (
 )
 from cachegraft_cli.cli.output import emit_json, log
 
+if TYPE_CHECKING:
+    from cachegraft_cli.api import AskSettings
+
 
 def ask(
     store: StoreOpt,
@@ -39,10 +42,10 @@ def ask(
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", "-b", min=1, max=4096, help="Batch mode: questions decoded together.")
+        int, typer.Option("--batch-size", "-b", help="Batch mode: questions decoded together (1 to 4096).")
     ] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit in tokens.")] = 48,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens (at least 1).")] = 48,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; otherwise at least 0.001.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     show_passages: Annotated[bool, typer.Option(help="Print the retrieved sources after the answer.")] = False,
     sharer: SharerOpt = None,
@@ -52,6 +55,7 @@ def ask(
     json_out: JsonOpt = False,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
+    from cachegraft_cli.answering.options import check_batch_size, check_index_kind
     from cachegraft_cli.answering.questions import read_questions
     from cachegraft_cli.answering.systems import check_question
     from cachegraft_cli.api import Store, ask_options
@@ -61,20 +65,24 @@ def ask(
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
-    # Everything that can be checked is checked before any model loads: options, the questions
-    # file, the model choices, the store and its index.
+    # Everything that can be checked is checked before any model loads: options (by the same
+    # checks as the API's), the questions file, the model choices, the store, its index and
+    # whether each prompt fits the model's context window.
+    options: AskSettings = dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
+                                blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed)
+    checked = ask_options(**options)
+    check_batch_size(batch_size)
+    check_index_kind(index_kind)
     items = read_questions(questions) if questions is not None else []
     if question is not None:
         check_question(question)
-    options = dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
-                   blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    ask_options(**options)
-    _check_index_kind(index_kind)
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
     graft.check(system)
     _note_closed_fuser(graft, system)
     _note_coverage(graft, system, store)
+    graft.asker.check_fits([q for _, q in items] if question is None else [question], checked)
     batch = questions is not None
     with showing_status(json_out or batch):
         graft.warm(system)
@@ -85,14 +93,6 @@ def ask(
     stream = sys.stdout.isatty() and not json_out
     answer = graft.ask(question, on_text=_echo if stream else None, **options)
     _print(answer.as_dict(), json_out, stream, show_passages)
-
-
-def _check_index_kind(kind: str | None) -> None:
-    from cachegraft_cli.errors import UsageError
-
-    if kind is not None and kind not in ("bm25", "dense", "hybrid"):
-        raise UsageError(f"unknown --index-kind {kind!r}.",
-                         "Use bm25 or dense (to search one half of a hybrid index), or leave it out.")
 
 
 def _note_coverage(graft, system: str, store: str) -> None:
@@ -124,7 +124,7 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
+def _batch(graft, items: list[tuple], options: AskSettings, batch_size: int) -> None:
     """One JSON line out per question in, models loaded once, decoded in batches.
     A question with no retrieved passage gets an error line; the exit code says so.
     On a TTY, stderr counts the questions answered."""
@@ -148,7 +148,7 @@ def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
                               "Rephrase them with words from the corpus, or use a dense index.")
 
 
-def _one(graft, question: str, options: dict) -> dict:
+def _one(graft, question: str, options: AskSettings) -> dict:
     from cachegraft_cli.errors import NoPassagesError
 
     try:
