@@ -93,3 +93,32 @@ def no_model_loads(monkeypatch):
 
     for module, name in ((models, "load_causal_lm"), (fuser, "load_fuser"), (retrieval, "load_embedder")):
         monkeypatch.setattr(module, name, refuse)
+
+
+# Greedy tokens of two float32 computations that agree only up to rounding (other shapes, batch
+# compositions or kernels; on another CPU kind, other SIMD kernels) are equal when every pick is
+# decided by more than the paths' logit difference: within 1e-4 in the tiny models
+# (tests/fuser/test_fusion.py), so a margin of 1e-3 leaves room on every CPU.
+MIN_GREEDY_MARGIN = 1e-3
+
+
+@pytest.fixture
+def greedy_margins(monkeypatch):
+    """The top-1 minus top-2 logit of every token picked while the test runs. A test comparing
+    the answers of two such computations asserts min(margins) >= MIN_GREEDY_MARGIN: then equal
+    answers are what the code guarantees, not one CPU's rounding, and a near-tie in a fixture
+    fails on every CPU alike (margins move by rounding only)."""
+    import torch
+
+    from cachegraft_cli.lm import generation
+
+    seen: list[float] = []
+    real = generation.pick_token
+
+    def pick(logits, config, rng):
+        top = torch.topk(logits.float(), 2).values
+        seen.append(float(top[0] - top[1]))
+        return real(logits, config, rng)
+
+    monkeypatch.setattr(generation, "pick_token", pick)
+    return seen
