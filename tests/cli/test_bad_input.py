@@ -340,3 +340,40 @@ def test_context_window_check_before_loading_agrees_with_the_one_after(long_stor
         _, prompt = asker.build_prompt("harbor lighthouse", hits, options)
         planned = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
         assert planned == prompt.end_position, (system, scheme)
+
+
+SAME_MISTAKES = [
+    (["-k", "0"], {"k": 0}),
+    (["--max-new-tokens", "0"], {"max_new_tokens": 0}),
+    (["--temperature", "-1"], {"temperature": -1.0}),
+    (["--seed", "-5"], {"seed": -5}),
+    (["--recompute", "-1"], {"recompute": -1}),
+    (["--blend", "2"], {"blend": 2.0}),
+    (["--blend-layer", "-1"], {"blend_layer": -1}),
+    (["--scheme", "spiral"], {"scheme": "spiral"}),
+    (["--system", "oracle"], {"system": "oracle"}),
+    (["-b", "0"], {"batch_size": 0}),
+    (["--index-kind", "bogus"], {"index_kind": "bogus"}),
+]
+
+
+@pytest.mark.parametrize("flags, keywords", SAME_MISTAKES, ids=[m[0][0] for m in SAME_MISTAKES])
+def test_the_cli_and_the_api_say_the_same_for_the_same_mistake(flags, keywords, workspace, no_model_loads, capsys,
+                                                               monkeypatch):
+    """One check for both: `ask` with a bad flag and `ask_many` with the bad keyword print the
+    same message and hint."""
+    import cachegraft_cli as cg
+    from cachegraft_cli.errors import UsageError
+
+    store = str(workspace["w"] / "store")
+    monkeypatch.setattr(sys, "argv", ["cachegraft", "ask", "why?", "--store", store, *flags])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    kw = dict(keywords)
+    opener = {"index_kind": kw.pop("index_kind")} if "index_kind" in kw else {}
+    with pytest.raises(UsageError) as api:
+        cg.ask_many(["why?"], store, **opener, **kw)
+    assert info.value.code == api.value.exit_code == 2
+    assert err.splitlines()[:2] == [f"error: {api.value.message}", f"  hint: {api.value.hint}"], err
+    record(bad_inputs=2, api_bad_calls=1, api_raw_exceptions=0)
