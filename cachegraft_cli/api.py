@@ -275,22 +275,15 @@ def encode(
     from cachegraft_cli.encoding.run import encode_into
 
     store = checks.location("store", store)  # None would become a directory named ./None
-    _check_corpus_argument(corpus)
-    _check_encode_names(preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,
-                        instruction=instruction, format=format)
-    for name, value in (("id_field", id_field), ("text_field", text_field), ("title_field", title_field)):
-        checks.text(f"{name} (--{name.replace('_', '-')})", value)
-    checks.flag("trust_remote_code (--trust-remote-code)", trust_remote_code)
-    checks.flag("skip_bad (--skip-bad)", skip_bad)
-    checks.callback("progress", progress)
-    checks.callback("planned", planned)
-    checks.instance("options", options, EncodeOptions,
-                    "Build one with cg.EncodeOptions(...), or pass codec=, batch_size=, ... as keyword arguments.")
+    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
+    _check_encode_arguments(corpus, options, fields_, names=dict(
+        preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,
+        instruction=instruction, format=format), flags={"trust_remote_code": trust_remote_code, "skip_bad": skip_bad},
+        callbacks={"progress": progress, "planned": planned})
     settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
-                "also_own_cache": also_own_cache, "commit_every": commit_every}
+                                "also_own_cache": also_own_cache, "commit_every": commit_every}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
-    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
     if isinstance(corpus, (str, Path)):
         reader = read_corpus(corpus, skip_bad=skip_bad, format=format, **fields_)
     else:
@@ -317,10 +310,21 @@ def _check_corpus_argument(corpus: Any) -> None:
                          "e.g. [{'id': 'a', 'text': 'Harbor town was founded in 1820.'}].")
 
 
-def _check_encode_names(**names: Any) -> None:
-    """Model specs and other names: each None or a non-empty string."""
+def _check_encode_arguments(corpus: Any, options: Any, fields_: dict, *, names: dict, flags: dict,
+                            callbacks: dict) -> None:
+    """`encode`'s arguments, before anything is read: model specs and other names (None or a
+    non-empty string), the corpus fields (non-empty strings), flags, callbacks and `options`."""
+    _check_corpus_argument(corpus)
     for name, value in names.items():
         checks.optional_text(f"{name} (--{name})", value)
+    for name, value in fields_.items():
+        checks.text(f"{name} (--{name.replace('_', '-')})", value)
+    for name, value in flags.items():
+        checks.flag(f"{name} (--{name.replace('_', '-')})", value)
+    for name, value in callbacks.items():
+        checks.callback(name, value)
+    checks.instance("options", options, EncodeOptions,
+                    "Build one with cg.EncodeOptions(...), or pass codec=, batch_size=, ... as keyword arguments.")
 
 
 def _runner(runner: str, ray: RayOptions | None, device: str | None) -> RayOptions | None:
