@@ -377,3 +377,18 @@ def test_the_cli_and_the_api_say_the_same_for_the_same_mistake(flags, keywords, 
     assert info.value.code == api.value.exit_code == 2
     assert err.splitlines()[:2] == [f"error: {api.value.message}", f"  hint: {api.value.hint}"], err
     record(bad_inputs=2, api_bad_calls=1, api_raw_exceptions=0)
+
+
+def test_the_bound_before_the_tokenizer_never_exceeds_the_exact_end(long_store):
+    """The metadata-only bound is a lower bound of the exact end for every system and scheme, so
+    it never refuses a prompt that fits."""
+    import cachegraft_cli as cg
+    from cachegraft_cli.api import ask_options
+
+    asker = cg.open_store(long_store).asker
+    for system in ("graft", "text", "closed"):
+        for scheme in ("rotate", "shared"):
+            options = ask_options(system=system, scheme=scheme, k=3)
+            hits = asker.retrieve("harbor lighthouse", 3) if system != "closed" else []
+            exact = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
+            assert asker.least_end(hits, options) <= exact, (system, scheme)
