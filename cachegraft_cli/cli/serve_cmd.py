@@ -54,8 +54,7 @@ def serve(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Serve stores over HTTP: OpenAI-compatible chat completions, /v1/ask, /v1/retrieve (models load once)."""
-    from cachegraft_cli.answering.options import AskOptions
-    from cachegraft_cli.cli.ask_cmd import check_index_kind
+    from cachegraft_cli.answering.options import AskOptions, check_index_kind
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.lm.sampling import GenerationConfig
     from cachegraft_cli.serving.engine import EngineSettings
