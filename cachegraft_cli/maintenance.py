@@ -14,14 +14,41 @@ def verify_store(url: str, progress=None) -> dict:
     """The store's verify report plus a check of its retrieval index, when it has one."""
     from cachegraft_cli.store import CacheStore
 
-    store = CacheStore.open(url)
+    store = CacheStore.open(url, partial=True)  # a listed segment that does not read is one of the problems
     report = store.verify(progress)
+    _name_lost_passages(store, url, report["problems"])
     problem = index_problem(store, url)
     if problem:
         report["problems"].append({"segment": None, "passage": None, "row": None, "kind": None, "part": None,
                                    "problem": problem, "code": "index"})
         report["ok"] = False
     return report
+
+
+def _name_lost_passages(store, url: str, problems: list[dict]) -> None:
+    """Segments whose row table is gone cannot name their passages; the retrieval index can: the
+    passages it holds that the readable segments lack."""
+    lost = [p for p in problems if p["code"] == "segment_missing"]
+    if not lost:
+        return
+    ids = lost_ids(store, url)
+    for p in lost:
+        p["passages"] = ids
+        p["problem"] += (f"; the index names {len(ids)} passages the other segments lack: "
+                         f"{', '.join(map(repr, ids[:10]))}{' ...' if len(ids) > 10 else ''}" if ids else
+                         "; no index names them")
+
+
+def lost_ids(store, url: str) -> list[str]:
+    """Ids the store's retrieval index holds that no readable segment has (best effort: [] without one)."""
+    from cachegraft_cli.retrieval.index import load_index
+    from cachegraft_cli.retrieval.stored import index_path
+
+    try:
+        index = load_index(index_path(url), store=url)
+    except Exception:  # noqa: BLE001 - no index, or one that does not read: nothing to name them from
+        return []
+    return [pid for pid in index.ids if pid not in store]
 
 
 def index_problem(store, url: str) -> str | None:

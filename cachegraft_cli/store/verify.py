@@ -2,7 +2,7 @@
 
 Each problem names its segment and, where it is one passage's, the passage
 and its row; `code` says what kind of problem it is (for `store repair`):
-`commit_missing`, `rows_mismatch`, `offsets`, `content`, `arrays`,
+`segment_missing` (its row table does not read), `commit_missing`, `entry`, `rows_mismatch`, `offsets`, `content`, `arrays`,
 `shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`.
 """
 
@@ -19,7 +19,7 @@ from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, segment_fil
 def verify(store, progress=None) -> dict:
     """Report problems naming segment and passage; never raises for damage (the CLI does)."""
     problems: list[dict] = []
-    total = sum(e["tokens"] for e in store.segments) * len(store.kinds)
+    total = sum(e["tokens"] for e in store.segments if e["name"] not in store.missing) * len(store.kinds)
     done = [0]
 
     def advance(n: int) -> None:
@@ -28,6 +28,10 @@ def verify(store, progress=None) -> dict:
             progress(done[0], total)
 
     for table, entry in zip(store.tables, store.segments):
+        if table.segment in store.missing:
+            problems.append(_problem(table, None, None, None, f"{store.missing[table.segment]}: its "
+                                     f"{entry['rows']} passages cannot be read or named from it", "segment_missing"))
+            continue
         problems += _check_table(store, table, entry)
         for kind in store.kinds:
             problems += _check_kind(store, table, kind, advance)
