@@ -127,8 +127,8 @@ def verify(
         raise StoreCorruptError(
             f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: "
             f"{first['problem'].rstrip('.')}.",
-            hint=f"Run `cachegraft store repair {store}` to drop the damaged passages (--reencode encodes them "
-                 "again).")
+            hint=f"Run `cachegraft store repair {store}`: it drops only rows proven unreadable, keeps what it "
+                 "cannot judge in DIR/quarantine/, and can be undone (--reencode encodes dropped passages again).")
     if not json:
         typer.echo("ok")
 
@@ -147,10 +147,33 @@ def repair(
     reencode: Annotated[
         bool, typer.Option("--reencode", help="Encode dropped passages again (loads the store's models).")
     ] = False,
+    undo: Annotated[str | None, typer.Option(
+        "--undo", metavar="ID", help="Undo an earlier repair: its id under DIR/quarantine/ (it printed it).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Rebuild a lost manifest from commit records, drop damaged passages (or encode them again), fix the index."""
+    """Rebuild a lost manifest, drop rows proven damaged (or encode them again), fix the index; nothing is
+    deleted: what is taken out goes to DIR/quarantine/<id>/, and `--undo ID` puts it back."""
+    if undo is not None:
+        _undo(store, undo, reencode, json)
+        return
     _repair(store, reencode, json)
+
+
+def _undo(store: str, repair_id: str, reencode: bool, json_out: bool) -> None:
+    from cachegraft_cli.cli.output import emit_json, log
+    from cachegraft_cli.errors import UsageError
+    from cachegraft_cli.maintenance import undo_repair
+
+    if reencode:
+        raise UsageError("--undo does not go with --reencode.", f"Run `cachegraft store repair {store} --undo "
+                         f"{repair_id}` alone.")
+    lines = undo_repair(store, repair_id)
+    if json_out:
+        emit_json({"url": store, "undone": repair_id, "lines": lines})
+        return
+    for line in lines:
+        log(line)
+    typer.echo(f"undone: {repair_id}")
 
 
 def _repair(store: str, reencode: bool, json_out: bool) -> None:
