@@ -124,7 +124,10 @@ def undo_repair(url: str, repair_id: str) -> list[str]:
 
     with lock_store(url, {"tool": "cachegraft store repair --undo"}) as lock:
         lines = undo(url, repair_id, lock=lock)
-    rebuilt = _rebuild_index(url)
+    try:
+        rebuilt = _rebuild_index(url)
+    except CacheGraftError as exc:  # the store is back as it was, damage included
+        return lines + [f"the store does not open as it is now ({exc.message}); no index was built"]
     return lines + ([rebuilt] if rebuilt else [])
 
 

@@ -155,7 +155,8 @@ def _check_manifest(loc: Location, rows_file: str, aside: Quarantine) -> str:
         return "ok"
     except StoreCorruptError:
         count = rebuild_manifest(loc, rows_file, aside)
-        return f"rebuilt from {count} commit records"
+        again = len(aside.log["commits_written"])
+        return f"rebuilt from {count} commit records" + (f" ({again} written again from row tables)" if again else "")
 
 
 def rebuild_manifest(loc: Location, rows_file: str, aside: Quarantine | None = None) -> int:

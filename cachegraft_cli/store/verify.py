@@ -52,12 +52,14 @@ def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing", "commit_missing"))
-    elif not _fits(table, entry):
+    else:
         record = _commit_record(store, table.segment)
-        if record is not None and _fits(table, record):  # the manifest entry is wrong, not the segment
-            said = ", ".join(f"{k}={entry.get(k)!r}" for k in _SIZES if entry.get(k) != record.get(k))
+        keys = [k for k in _SIZES if record is not None and entry.get(k) != record.get(k)]
+        if keys and _fits(table, record):  # the manifest entry is wrong, not the segment
+            said = ", ".join(f"{k}={entry.get(k)!r}" for k in keys)
+            found = ", ".join(f"{k}={record.get(k)!r}" for k in keys)
             return [_problem(table, None, None, None, f"the manifest entry says {said}; its commit.json and "
-                             f"{store.rows_file} agree on other values", "entry")] + _check_content(store, table)
+                             f"{store.rows_file} agree on {found}", "entry")] + _check_content(store, table)
     out += _check_layout(store, table, entry)
     out += _check_content(store, table)
     return out
