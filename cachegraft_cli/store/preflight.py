@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError
+from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError
 from cachegraft_cli.store import segments
-from cachegraft_cli.store.layout import ROOT_META
+from cachegraft_cli.store.layout import ROOT_META, rows_file, segment_file
 from cachegraft_cli.store.location import Location
 
 
@@ -36,7 +36,15 @@ def check_target(url, codec: str | None, kinds: tuple[str, ...], storage_options
         raise StoreMismatchError(
             f"store {loc.url} was made without own caches, so --also-own-cache cannot add them now.",
             "Encode into a new --store with --also-own-cache to compare with the `cache` system.")
-    segments.load_manifest(loc)  # a lost manifest is refused here, before anything else happens
+    manifest = segments.load_manifest(loc)  # a lost or malformed manifest is refused here, before anything else
+    if loc.local:  # a listed segment whose row table is gone (one stat each; remote stores find it on open)
+        table = rows_file(meta.get("format_version", 1))
+        for entry in manifest["segments"]:
+            if not loc.exists(segment_file(entry["name"], table)):
+                raise StoreCorruptError(
+                    f"segment {entry['name']} of {loc.url} is listed with {entry['rows']} passages, but its {table} "
+                    "is missing.", hint=f"Run `cachegraft store verify {loc.url}` to see which passages, then "
+                    f"`cachegraft store repair {loc.url}`.")
 
 
 def _check_local_path(loc: Location, half_created) -> None:

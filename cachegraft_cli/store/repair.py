@@ -43,7 +43,7 @@ from cachegraft_cli.store.layout import (
     token_extent,
 )
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.recover import read_committed, recover
+from cachegraft_cli.store.recover import merged_from, read_committed, recover, repaired_from
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
 
 TOOL = "cachegraft store repair"
@@ -169,12 +169,14 @@ def rebuild_manifest(loc: Location, rows_file: str, aside: Quarantine | None = N
     aside.begin()
     found = {name: read_committed(loc, name, rows_file) for name in segments.segment_names(loc)}
     entries = [entry for entry, _ in found.values() if entry is not None]
-    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in entries}
-    merged = {name for e in entries for name in (e.get("run_info") or {}).get("merged", [])}
+    replaced = {repaired_from(e) for e in entries}
+    merged = {name for e in entries for name in merged_from(e)}
     listed = sorted((e for e in entries if e["name"] not in replaced | merged),
                     key=lambda e: (str(e.get("committed")), e["name"]))
     for name, (entry, _) in found.items():
-        if entry is None:
+        if entry is None and name in replaced | merged:  # a source whose deletion was cut short: all held
+            aside.move(name, "a source of a merged or repaired segment, found without its commit record")
+        elif entry is None:
             adopted = _commit_again(loc, name, rows_file, aside)
             if adopted is not None:
                 listed.append(adopted)

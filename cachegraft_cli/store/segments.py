@@ -80,6 +80,8 @@ def _entry_problem(entry) -> str | None:
             return f"has {key}={entry.get(key)!r} (a count >= 0 is required)"
     if "token_extent" in entry and not (_count(entry["token_extent"]) and entry["token_extent"] >= entry["tokens"]):
         return f"has token_extent={entry['token_extent']!r} (a count >= its tokens is required)"
+    if not isinstance(entry.get("run_info", {}), dict):
+        return f"has run_info={entry['run_info']!r} (an object is required)"
     nbytes = entry.get("bytes", {})
     if not isinstance(nbytes, dict) or not all(isinstance(k, str) and _count(v) for k, v in nbytes.items()):
         return f"has bytes={nbytes!r} (an object of byte counts per cache kind is required)"
