@@ -61,6 +61,10 @@ def _info_table(report: dict):
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
                           f"{seg['committed']}")
     table.add_row("index", _index_text(report.get("index"), report["url"]))
+    if report.get("quarantine"):
+        table.add_row("quarantine", f"{len(report['quarantine'])} repairs keep what they took out in "
+                      f"{report['url']}/quarantine/ (undo one with `cachegraft store repair DIR --undo ID`): "
+                      + ", ".join(report["quarantine"]))
     if report["writer"]:
         w = report["writer"]
         table.add_row("writer", f"pid {w.get('pid')} on {w.get('host')} since {w.get('since')}")

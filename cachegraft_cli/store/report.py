@@ -42,4 +42,5 @@ def info(store) -> dict:
         "compressor": store.compressor,
         "segments": {"count": len(entries), "list": [_segment_summary(e) for e in entries]},
         "writer": read_holder(store.loc) if is_held(store.loc) else None,
+        "quarantine": store.loc.list_names("quarantine"),  # repairs whose removals are kept (`repair --undo ID`)
     }

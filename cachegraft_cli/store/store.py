@@ -238,7 +238,7 @@ class CacheStore:
         grace, repair) is not damage: the snapshot catches up with the manifest and reads again."""
         try:
             return self._read(ids, kind, check)
-        except StoreError:
+        except Exception:  # noqa: BLE001 - damage, or the files of a segment a writer removed meanwhile
             if not self.moved_on():
                 raise
         self.refresh()
@@ -251,8 +251,13 @@ class CacheStore:
         found = [self._locate(pid) for pid in ids]
         comps = self.codec.components()
         spans = [self._tables[ti].span(ri) for ti, ri in found]
-        requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
-                    for (ti, _), span in zip(found, spans) for c in comps]
+        try:
+            requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+                        for (ti, _), span in zip(found, spans) for c in comps]
+        except Exception as exc:  # noqa: BLE001 - an array whose metadata is gone: name the passages
+            from cachegraft_cli.store.damage import corrupt_error
+
+            raise corrupt_error(self, ids, kind, f"its arrays do not open: {str(exc).splitlines()[0][:120]}") from None
         try:
             flat = _read_ranges(requests)
         except Exception as exc:  # noqa: BLE001 - a chunk that fails to decode: name the passages it holds
