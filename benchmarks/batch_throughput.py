@@ -42,7 +42,7 @@ def run(asker, questions: list[str], options, batch: int) -> tuple[float, list[s
         results = [asker.ask(q, options) for q in questions]
     elif "batch_size" in inspect.signature(asker.ask_many).parameters:
         results = asker.ask_many(questions, options, batch_size=batch)
-    else:  # the briefed signature ask_many(questions, options): batch by calling per chunk
+    else:  # an ask_many(questions, options) without batch_size: batch by calling per chunk
         results = [r for i in range(0, len(questions), batch) for r in asker.ask_many(questions[i : i + batch], options)]
     return time.perf_counter() - t0, [r["answer"] for r in results]
 

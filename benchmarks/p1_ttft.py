@@ -10,11 +10,12 @@ question) runs all systems back to back, the order rotating each time.
 `first_token` (Asker timings) runs from the start of the request - retrieval
 and cache loading included - to the first generated token.
 
-`graft` runs with the library's default assembly (passage order, boundary
-recompute); `--variants` adds graft under other assemblies side by side
-(default: `recompute=0`, the plain stored-cache path, and `blend=0.15`,
-selective recompute), so what recompute costs shows in the same run. The
-text/graft target is checked on the default `graft`.
+`graft` runs with the library's default assembly (best passage last, no
+boundary recompute); `--variants` adds graft under other assemblies side by
+side (default: `recompute=0`, which repeats the default, and `blend=0.15`,
+selective recompute; e.g. `recompute=16` times boundary recompute), so what
+recompute costs shows in the same run. The text/graft target is checked on
+the default `graft`.
 
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).

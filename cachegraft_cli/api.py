@@ -267,11 +267,11 @@ def encode(
     from cachegraft_cli.encoding.plan import check_corpus
     from cachegraft_cli.encoding.run import encode_into
 
-    settings = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
-                "also_own_cache": also_own_cache, "commit_every": commit_every}
+    settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
+                                "also_own_cache": also_own_cache, "commit_every": commit_every}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
-    fields_ = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
+    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
     if isinstance(corpus, (str, Path)):
         reader = read_corpus(corpus, skip_bad=skip_bad, format=format, **fields_)
     else:

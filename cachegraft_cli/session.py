@@ -153,21 +153,22 @@ class ModelSession:
             "geometry": self.receiver.geometry.as_dict(),
         }
 
-    def open_or_create_store(self, url: str, codec: str, also_own_cache: bool):
-        """A store for these models: created, or reopened (identity checked). A store
-        that already keeps own caches goes on keeping them, asked or not."""
+    def open_or_create_store(self, target, codec: str, also_own_cache: bool):
+        """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
+        or the existing one (identity checked). A store that already keeps own caches goes on
+        keeping them, asked or not."""
         from cachegraft_cli.lm import kvcache
-        from cachegraft_cli.store import CacheStore
+        from cachegraft_cli.store.oserrors import writing
+        from cachegraft_cli.store.target import Target
 
-        store = open_existing(url)
+        target = Target.open(target)
+        store = target.store
         kinds = ("fused", "own") if also_own_cache else ("fused",)
         if store is not None:
             check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
-        from cachegraft_cli.store.oserrors import writing
-
-        with writing(str(url), "create the store"):
-            return CacheStore.create(url, self.identity(codec), prefix, store.kinds if store is not None else kinds)
+        with writing(target.name, "create the store"):
+            return target.create(self.identity(codec), prefix, store.kinds if store is not None else kinds)
 
     def names_match(self, store) -> bool:
         """Whether this session names the receiver, fuser and (where it ran one) sharer the store

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -21,6 +21,9 @@ from cachegraft_cli.cli.options import (
     TrustOpt,
 )
 from cachegraft_cli.cli.output import emit_json, log
+
+if TYPE_CHECKING:
+    from cachegraft_cli.answering.options import AskOptions
 
 
 def ask(
@@ -66,9 +69,8 @@ def ask(
     items = read_questions(questions) if questions is not None else []
     if question is not None:
         check_question(question)
-    options = dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
-                   blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    ask_options(**options)
+    options = ask_options(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
+                          blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     _check_index_kind(index_kind)
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
@@ -83,7 +85,7 @@ def ask(
         return
     assert question is not None  # exactly one of QUESTION and --questions was given (checked above)
     stream = sys.stdout.isatty() and not json_out
-    answer = graft.ask(question, on_text=_echo if stream else None, **options)
+    answer = graft.ask(question, options, on_text=_echo if stream else None)
     _print(answer.as_dict(), json_out, stream, show_passages)
 
 
@@ -124,7 +126,7 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
+def _batch(graft, items: list[tuple], options: AskOptions, batch_size: int) -> None:
     """One JSON line out per question in, models loaded once, decoded in batches.
     A question with no retrieved passage gets an error line; the exit code says so.
     On a TTY, stderr counts the questions answered."""
@@ -135,7 +137,7 @@ def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         try:
-            results = [a.as_dict() for a in graft.ask_many([q for _, q in chunk], batch_size=batch_size, **options)]
+            results = [a.as_dict() for a in graft.ask_many([q for _, q in chunk], options, batch_size=batch_size)]
         except NoPassagesError:
             results = [_one(graft, q, options) for _, q in chunk]
         for (qid, _), result in zip(chunk, results):
@@ -148,11 +150,11 @@ def _batch(graft, items: list[tuple], options: dict, batch_size: int) -> None:
                               "Rephrase them with words from the corpus, or use a dense index.")
 
 
-def _one(graft, question: str, options: dict) -> dict:
+def _one(graft, question: str, options: AskOptions) -> dict:
     from cachegraft_cli.errors import NoPassagesError
 
     try:
-        return graft.ask(question, **options).as_dict()
+        return graft.ask(question, options).as_dict()
     except NoPassagesError as exc:
         return {"question": question, "error": exc.message}
 

@@ -7,7 +7,7 @@ one uncommitted window and a re-run finishes the job without duplicates.
 
 Order (what makes two writers, a kill or a full disk harmless, and an append cheap):
   1. the corpus is read and checked by the caller (`check_corpus`), the target
-     store by `preflight`: nothing is written, no model is loaded;
+     store by `store.target.Target` (opened once and passed down): nothing is written, no model is loaded;
   2. the store's writer lock is taken (a second writer is refused at once);
   3. the plan is made against the manifest as it is once the lock is held,
      with the tokenizer alone: a corpus the store holds already loads no model;
@@ -33,56 +33,47 @@ from cachegraft_cli.encoding.plan import (
     run_info,
 )
 from cachegraft_cli.session import ModelSession
+from cachegraft_cli.store.target import Target
 
-_UNSET = object()
 
 def encode_corpus(
     passages: Iterable[Passage],
-    store_url: str,
+    store: str | Target,
     session: ModelSession,
     options: EncodeOptions,
     progress: Callable[[int, int], None] | None = None,
-    total: int | None = None,
-    existing=_UNSET,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into the store at `store_url` (created if missing), in the order of
-    the module docstring.
+    """Encode passages into `store` (a URL, or the `Target` the caller opened; created if
+    missing), in the order of the module docstring.
 
     `passages` is read more than once (plan, then write): a `CorpusReader` or a list; a
     one-shot iterator is listed first. A corpus that is already stored loads no model at
     all. `planned(n)` hears how many chunks will be encoded, once that is known;
     `progress(0, 0)` is called once when the models are loaded and encoding starts, then
-    `progress(passages, tokens)` after each batch. `existing` is the store already opened
-    by the caller (None: there was none yet)."""
-    from cachegraft_cli.session import open_existing
-    from cachegraft_cli.store.lock import lock_store
+    `progress(passages, tokens)` after each batch."""
     from cachegraft_cli.store.oserrors import writing
-    from cachegraft_cli.store.preflight import check_target
-    from cachegraft_cli.store.recover import recover
 
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
-    store = open_existing(store_url) if existing is _UNSET else existing
-    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
-    check_target(store_url, codec, options.kinds)  # codec, cache kinds, a lost manifest: before the lock
-    summary = EncodeSummary(store=store_url, fuser=session.choice.fuser or "closed")
-    with lock_store(store_url, {"tool": "cachegraft encode"}) as lock:
-        store = store if store is not None else open_existing(store_url)  # another writer may have made it
-        if store is not None:
-            recover(store)  # committed-but-unlisted segments count as stored before the plan is made
-        known = store.content_hashes() if store is not None else {}
+    target = Target.open(store)
+    codec = options.codec or target.codec or "bf16"
+    target.check(codec, options.kinds)  # codec, cache kinds: before the lock
+    summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed")
+    with target.locked({"tool": "cachegraft encode"}) as lock:
+        stored = target.store  # up to date under the lock (another writer may have made it meanwhile)
+        known = stored.content_hashes() if stored is not None else {}
         count = sum(1 for _ in new_chunks(source, known, session.template, options, summary))
         if planned:
             planned(count)
-        if count or store is None or not session.names_match(store):  # other models named: load them to check
-            if store is not None:
-                session.check_template(store)
-            store = session.open_or_create_store(store_url, codec, options.also_own_cache)
+        if count or stored is None or not session.names_match(stored):  # other models named: load them to check
+            if stored is not None:
+                session.check_template(stored)
+            written = session.open_or_create_store(target, codec, options.also_own_cache)
             if progress:
                 progress(0, 0)
-            with writing(store_url, "write the store"):
-                _write(new_chunks(source, known, session.template, options), store, session, options, summary,
+            with writing(target.name, "write the store"):
+                _write(new_chunks(source, known, session.template, options), written, session, options, summary,
                        progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)
     summary.finish()

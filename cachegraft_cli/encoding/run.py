@@ -35,19 +35,18 @@ def encode_into(
     encoded, once the plan under the lock knows it."""
     from dataclasses import replace
 
-    from cachegraft_cli.session import choice_for_encode, open_existing
-    from cachegraft_cli.store.preflight import check_target
+    from cachegraft_cli.session import choice_for_encode
+    from cachegraft_cli.store.target import Target
 
     options = options or EncodeOptions()
-    check_target(store_url, options.codec, options.kinds)  # a file, a foreign directory, a lost manifest: first
-    store = open_existing(store_url)
-    choice = choice_for_encode(store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
+    target = Target.open(store_url)  # a file, a foreign directory, a lost manifest: first, and only once
+    target.check(options.codec, options.kinds)
+    choice = choice_for_encode(target.store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code or None, instruction=instruction).check()
     if ray is None:
-        return encode_corpus(passages, store_url, ModelSession(choice), options, progress, existing=store,
-                             planned=planned)
+        return encode_corpus(passages, target, ModelSession(choice), options, progress, planned=planned)
     from cachegraft_cli.encoding.ray.driver import encode_on_ray
 
-    codec = options.codec or (store.identity["codec"] if store is not None else "bf16")
-    return encode_on_ray(passages, store_url, choice, replace(options, codec=codec), ray, progress=progress,
+    codec = options.codec or target.codec or "bf16"
+    return encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
                          planned=planned)

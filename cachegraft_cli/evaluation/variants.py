@@ -1,8 +1,8 @@
 """System labels with assembly overrides: `SYSTEM[@key=value]...`.
 
 One evaluation can answer the same system under several assemblies, e.g.
-`text@order=retrieval` next to `text` (the run's order), or an ablation
-`graft@recompute=0@order=retrieval`. The label is what answers, scores and
+`text@order=retrieval` next to `text` (the run's order), or
+`graft@recompute=16@order=retrieval` next to the default `graft`. The label is what answers, scores and
 comparisons are keyed by; the base system and the overrides are what the
 answerer runs.
 """

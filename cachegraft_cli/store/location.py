@@ -27,7 +27,10 @@ class Location:
     raw_url: str = field(default="", repr=False)  # `url` with any user:password@ in it (opened, never shown)
 
     @classmethod
-    def from_url(cls, url: str | os.PathLike, storage_options: dict | None = None) -> "Location":
+    def from_url(cls, url: "str | os.PathLike | Location", storage_options: dict | None = None) -> "Location":
+        """The location of `url` (a `Location` is taken as it is: a handle parsed once is passed down)."""
+        if isinstance(url, Location):
+            return url
         from fsspec.core import url_to_fs
         from fsspec.implementations.local import LocalFileSystem
 

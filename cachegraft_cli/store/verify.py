@@ -53,8 +53,8 @@ def _check_table(store, table, entry) -> list[dict]:
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing", "commit_missing"))
     else:
-        record = _commit_record(store, table.segment)
-        keys = [k for k in _SIZES if record is not None and entry.get(k) != record.get(k)]
+        record = _commit_record(store, table.segment) or {}
+        keys = [k for k in _SIZES if record and entry.get(k) != record.get(k)]
         if keys and _fits(table, record):  # the manifest entry is wrong, not the segment
             said = ", ".join(f"{k}={entry.get(k)!r}" for k in keys)
             found = ", ".join(f"{k}={record.get(k)!r}" for k in keys)

@@ -1,4 +1,4 @@
-"""What a newcomer meets first (issue 16): appending with the store's models, checks that
+"""What a newcomer meets first: appending with the store's models, checks that
 come before any model loads, status lines while models load, help at 80 columns, one-line
 usage errors, the index in `store info`, the pull's sizes, and the out-of-memory message."""
 

@@ -148,3 +148,31 @@ def test_unknown_codec_fails_before_any_model_loads():
     with pytest.raises(UsageError, match="int5") as exc:
         EncodeOptions(codec="int5")
     assert "int4" in exc.value.hint
+
+
+def test_one_encode_parses_the_store_once_and_reads_its_metadata_once(session, tmp_path, monkeypatch):
+    """The store is opened once per command (`store.target.Target`) and that handle passed down:
+    an append with nothing new parses the URL once and reads zarr.json once."""
+    from cachegraft_cli.encoding.run import encode_into
+    from cachegraft_cli.store import location, store as store_mod
+
+    url = str(tmp_path / "s")
+    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))
+    parses, metas = [], []
+    real_parse, real_meta = location.Location.from_url.__func__, store_mod.read_meta
+
+    def parse(cls, where, *args, **kwargs):
+        if not isinstance(where, location.Location):
+            parses.append(where)
+        return real_parse(cls, where, *args, **kwargs)
+
+    def meta(loc):
+        metas.append(loc.url)
+        return real_meta(loc)
+
+    monkeypatch.setattr(location.Location, "from_url", classmethod(parse))
+    monkeypatch.setattr(store_mod, "read_meta", meta)
+    monkeypatch.setattr("cachegraft_cli.store.target.read_meta", meta)
+    summary = encode_into(url, _passages(2), EncodeOptions(), receiver=session.choice.receiver, dtype="float32")
+    assert summary.skipped_existing == 2 and summary.added == 0
+    assert parses == [url] and len(metas) == 1

@@ -82,7 +82,7 @@ def assert_same_as_local(url: str, local, n: int = N) -> CacheStore:
     return store
 
 
-def test_two_actors_make_the_local_engines_store(ray_cluster, choice, local_store, tmp_path):
+def test_two_actors_make_the_local_runners_store(ray_cluster, choice, local_store, tmp_path):
     url = str(tmp_path / "ray")
     summary = encode_on_ray(_passages(N), url, choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
     assert summary.added == N and summary.tokens == local_store.info()["tokens"] and len(summary.segments) == 8

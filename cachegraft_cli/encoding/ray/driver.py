@@ -43,6 +43,7 @@ from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
 from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.session import ModelChoice, check_kinds
+from cachegraft_cli.store.target import Target
 
 
 @dataclass
@@ -87,7 +88,7 @@ def require_ray():
 
 def encode_on_ray(
     passages: Iterable[Passage],
-    store_url: str,
+    store_url: str | Target,
     choice: ModelChoice,
     options: EncodeOptions,
     ray_options: RayOptions,
@@ -95,23 +96,21 @@ def encode_on_ray(
     worker: type | None = None,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into the store at `store_url` on a Ray cluster (`worker`: the actor class, for tests;
-    `planned(n)`: how many chunks will be encoded, once the plan under the lock knows it)."""
+    """Encode passages into `store_url` (a URL, or the `Target` the caller opened) on a Ray cluster
+    (`worker`: the actor class, for tests; `planned(n)`: how many chunks will be encoded, once the
+    plan under the lock knows it)."""
     from cachegraft_cli.encoding.ray.worker import FuseWriter
-    from cachegraft_cli.store.location import Location
     from cachegraft_cli.store.lock import lock_store
-    from cachegraft_cli.store.preflight import check_target
 
     ray = require_ray()
     check_devices(choice.device, ray_options)
-    loc = Location.from_url(store_url)
-    store_url = loc.raw_url or loc.url  # a relative path means the driver's directory, on every node
-    check_target(store_url, options.codec or "bf16", options.kinds)  # before the cluster or anything else
+    target = Target.open(store_url)
+    target.check(options.codec or "bf16", options.kinds)  # before the cluster or anything else
     start = time.perf_counter()
     # The lock first: a second writer is refused at once, before a Ray runtime starts or a model loads.
-    with lock_store(store_url, {"tool": "cachegraft encode", "engine": "ray"}):
+    with lock_store(target.loc, {"tool": "cachegraft encode", "engine": "ray"}):
         with _connected(ray, ray_options), _data_context(ray_options):
-            store = _open_or_create(ray, choice, store_url, options, ray_options)
+            store = _open_or_create(ray, choice, target, options, ray_options)
             template = driver_template(choice, store, options)
             summary = _run_locked(ray, passages, store, template, choice, options, ray_options, progress,
                                   worker or FuseWriter, planned)
@@ -211,20 +210,24 @@ def _data_context(ray_options: RayOptions):
 # -- the store ----------------------------------------------------------------------
 
 
-def _open_or_create(ray, choice: ModelChoice, store_url: str, options: EncodeOptions, ray_options: RayOptions):
+def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOptions, ray_options: RayOptions):
     """The store; a missing one is made by a task where the models load (the driver loads none)."""
     from cachegraft_cli.encoding.ray.worker import create_store
     from cachegraft_cli.store import CacheStore
 
-    try:
-        store = CacheStore.open(store_url)
-    except StoreNotFoundError:
+    if target.store is None:
+        try:
+            target.store = CacheStore.open(target.loc)  # another writer made it before we took the lock
+        except StoreNotFoundError:
+            pass
+    if target.store is None:
+        url = target.loc.raw_url or target.loc.url  # a relative path means the driver's directory, on every node
         task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
-        raise_error_record(_ray_get(ray, task(create_store).remote(choice, store_url, options.codec,
+        raise_error_record(_ray_get(ray, task(create_store).remote(choice, url, options.codec,
                                                                    options.also_own_cache)))
-        return CacheStore.open(store_url)
-    check_kinds(store, options.also_own_cache)
-    return store
+        target.store = CacheStore.open(target.loc)
+    check_kinds(target.store, options.also_own_cache)
+    return target.store
 
 
 def driver_template(choice: ModelChoice, store, options: EncodeOptions):

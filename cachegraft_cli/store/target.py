@@ -1,0 +1,115 @@
+"""The store a writing command targets, opened once and passed down.
+
+`encode` opens its `--store` into a `Target` before anything else: the URL is
+parsed once, a local path is checked (a file, a non-empty directory that is no
+store), and the metadata and manifest of an existing store are read once. The
+same handle is then checked against the codec and cache kinds asked for (no
+I/O), locked (`locked`: the writer lock, then the snapshot brought up to date
+under it, since another writer may have committed meanwhile), and finally made
+into the store the writers write (`create`). A bad target is refused in well
+under a second, before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError
+from cachegraft_cli.store import segments
+from cachegraft_cli.store.layout import ROOT_META
+from cachegraft_cli.store.location import Location
+from cachegraft_cli.store.lock import WriterLock, lock_store
+from cachegraft_cli.store.store import CacheStore, half_created, read_meta
+
+
+@dataclass
+class Target:
+    """`store` is None while no store exists at `loc` yet; `name` is the URL as the user gave it
+    (what summaries and messages show)."""
+
+    loc: Location
+    store: CacheStore | None
+    name: str
+
+    @classmethod
+    def open(cls, url, storage_options: dict | None = None) -> Target:
+        """The target at `url` (a `Target` is taken as it is)."""
+        if isinstance(url, Target):
+            return url
+        loc = Location.from_url(url, storage_options)
+        if loc.local:
+            _check_local_path(loc)
+        return cls(loc, _open(loc), str(url))
+
+    @property
+    def url(self) -> str:
+        return self.loc.url
+
+    @property
+    def codec(self) -> str | None:
+        return self.store.identity["codec"] if self.store is not None else None
+
+    def check(self, codec: str | None, kinds: tuple[str, ...]) -> None:
+        """Refuse a codec or cache kinds the existing store cannot take (`codec` None: the store's own)."""
+        if self.store is None:
+            return
+        stored = self.codec
+        if codec is not None and stored != codec:
+            raise StoreMismatchError(
+                f"store {self.url} was made with codec={stored!r}, but codec={codec!r} was requested.",
+                hint=f"Use --codec {stored}, or another --store.")
+        if not set(kinds) <= set(self.store.kinds):
+            raise StoreMismatchError(
+                f"store {self.url} was made without own caches, so --also-own-cache cannot add them now.",
+                "Encode into a new --store with --also-own-cache to compare with the `cache` system.")
+
+    @contextmanager
+    def locked(self, run_info: dict) -> Iterator[WriterLock]:
+        """Hold the writer lock; under it the snapshot is what other writers committed up to now
+        (a store another writer created meanwhile is opened)."""
+        from cachegraft_cli.store.recover import recover
+
+        with lock_store(self.loc, run_info) as lock:
+            if self.store is None:
+                self.store = _open(self.loc)
+            if self.store is not None:
+                recover(self.store)  # committed-but-unlisted segments count as stored before a plan is made
+                if self.store.missing:
+                    raise self.store.missing_error()
+            yield lock
+
+    def create(self, identity: dict, prefix: np.ndarray, kinds: tuple[str, ...]) -> CacheStore:
+        """The store for `identity`: made now, or the existing one (its identity checked against it)."""
+        if self.store is None:
+            self.store = CacheStore.create(self.loc, identity, prefix, kinds)
+        else:
+            from cachegraft_cli.store import identity as ident_mod
+
+            ident_mod.check(self.url, self.store.identity, ident_mod.validate(identity))
+        return self.store
+
+
+def _open(loc: Location) -> CacheStore | None:
+    try:
+        meta = read_meta(loc)
+    except StoreNotFoundError:
+        return None  # nothing there yet, or a creation that was killed: encode makes it
+    store = CacheStore(loc, meta, segments.load_manifest(loc))  # a lost or malformed manifest is refused here
+    if store.missing:  # a listed segment whose row table is gone: `store repair` first
+        raise store.missing_error()
+    return store
+
+
+def _check_local_path(loc: Location) -> None:
+    path = Path(loc.root)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{loc.url} is a file, not a store directory.",
+                         hint="Point --store at a directory (a new one is created).")
+    if path.is_dir() and not (path / ROOT_META).exists() and any(path.iterdir()) and not half_created(loc):
+        raise StoreError(f"{loc.url} is a directory with other files in it, not a cache store.",
+                         hint="Point --store at a new or empty directory, or at a store made by `cachegraft encode`.")
