@@ -132,7 +132,7 @@ def verify(
             f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: "
             f"{first['problem'].rstrip('.')}.",
             hint=f"Run `cachegraft store repair {store}`: it drops only rows proven unreadable, keeps what it "
-                 "cannot judge in DIR/quarantine/, and can be undone (--reencode encodes dropped passages again).")
+                 f"cannot judge in {store}/quarantine/, and can be undone (--reencode encodes dropped passages again).")
     if not json:
         typer.echo("ok")
 
