@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith("graft@")}
     rows = [[s, med[s]["prompt_tokens"], med[s]["recomputed"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"],
              ttft[s]] for s in options]
-    bc.print_table(f"P1 time to first token, k={args.k}, median of {len(questions)} questions x {args.repeats} repeats (s)",
+    bc.print_table(f"P1 time to first token, k={args.k}, "
+                   f"median of {len(questions)} questions x {args.repeats} repeats (s)",
                    ["system", "question_tok", "recomputed_tok", "retrieve", "load", "prefill", "first_token"], rows)
     for name, value in ratios.items():
         print(f"{name}: {value:.1f}x  -> {bc.verdict(value, TARGETS[name], at_most=False)}")

@@ -29,6 +29,25 @@ def tiny_models(tiny_dirs):
     return {role: load_causal_lm(str(path), device="cpu", dtype="float32") for role, path in tiny_dirs.items()}
 
 
+@pytest.fixture
+def rng():
+    """A seeded numpy generator (the store tests draw caches and lengths from it)."""
+    import numpy as np
+
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The model specs `load_causal_lm` is called with during the test, in order (the loads still happen)."""
+    import cachegraft_cli.lm.models as models
+
+    seen: list[str] = []
+    real = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: seen.append(spec) or real(spec, **kw))
+    return seen
+
+
 # Counts the reliability tests add up (faults.record): printed as a table at the end of the run.
 TALLY: dict = {}
 
@@ -65,6 +84,23 @@ def s3_server():
     server = LocalS3()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A fresh bucket on the test's S3 server, named; this process finds the server the usual ways
+    (AWS_* variables, fsspec's config), as Ray workers do (`ray_cluster` gives them the same variables)."""
+    import uuid
+
+    import fsspec
+    import fsspec.config
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server.endpoint})
+    name = f"cg-{uuid.uuid4().hex[:8]}"
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
+    return name
 
 
 @pytest.fixture(scope="session")

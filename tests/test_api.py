@@ -27,16 +27,6 @@ MORE = cg.Passage("photo", "Photosynthesis", "Photosynthesis turns light, water 
 
 
 @pytest.fixture
-def loads(monkeypatch):
-    import cachegraft_cli.lm.models as models
-
-    seen: list[str] = []
-    real = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: seen.append(spec) or real(spec, **kw))
-    return seen
-
-
-@pytest.fixture
 def store(tiny_dirs, tmp_path):
     path = tmp_path / "store"
     summary = cg.encode_passages(PASSAGES, path, receiver=str(tiny_dirs["receiver"]), dtype="float32", codec="float32")

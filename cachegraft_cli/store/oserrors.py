@@ -46,7 +46,7 @@ def writing(path: str, doing: str):
         raise
     except OSError as exc:
         raise write_error(exc, path, doing) from None
-    except Exception as exc:  # noqa: BLE001 - re-raised unless it carries an OS write failure
+    except Exception as exc:  # re-raised unless it carries an OS write failure
         code = errno_in_text(str(exc))
         if code is None:
             raise

@@ -238,7 +238,7 @@ class CacheStore:
         grace, repair) is not damage: the snapshot catches up with the manifest and reads again."""
         try:
             return self._read(ids, kind, check)
-        except Exception:  # noqa: BLE001 - damage, or the files of a segment a writer removed meanwhile
+        except Exception:  # damage, or the files of a segment a writer removed meanwhile
             if not self.moved_on():
                 raise
         self.refresh()

@@ -19,8 +19,9 @@ from faults import record
 
 from cachegraft_cli.cli.app import main
 
-SQUAD_OK = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820.",
-                                                         "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}]}]}]}
+SQUAD_OK = {"data": [{"title": "Harbor", "paragraphs": [{
+    "context": "Harbor town was founded in 1820.",
+    "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}]}]}]}
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ CASES = [
     Case("verify-reencode-alone", lambda c: ["store", "verify", c["w"] / "store", "--reencode"], 2, "--reencode"),
     Case("info-missing", lambda c: ["store", "info", c["w"] / "nowhere"], 5, "no cache store at"),
     Case("unlock-missing", lambda c: ["store", "unlock", c["w"] / "nowhere"], 5, "no cache store at"),
-    Case("index-kind", lambda c: ["index", "--store", c["w"] / "store", "--kind", "bogus"], 2, "unknown index kind 'bogus'"),
+    Case("index-kind", lambda c: ["index", "--store", c["w"] / "store", "--kind", "bogus"], 2,
+         "unknown index kind 'bogus'"),
     Case("index-file", lambda c: ["index", "--store", c["w"] / "plainfile"], 5, "plainfile is not a cache store"),
     Case("index-missing", lambda c: ["index", "--store", c["w"] / "nowhere"], 5, "no cache store at"),
     # evaluate: QA files and options

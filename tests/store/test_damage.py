@@ -167,7 +167,7 @@ def test_verify_fix_reencode_restores_damaged_passages(store, pristine, capsys, 
 
 @pytest.mark.parametrize("how", ["corrupt", "delete"])
 def test_manifest_damage_is_refused_and_rebuilt_from_commit_records(how, store, pristine, tiny_dirs, capsys,
-                                                                   monkeypatch):
+                                                                     monkeypatch):
     manifest = store / "manifest.json"
     if how == "corrupt":
         manifest.write_text('{"segments": [{"name": ')
