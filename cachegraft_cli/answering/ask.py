@@ -42,7 +42,7 @@ class Asker:
         from cachegraft_cli.session import session_for_store
         from cachegraft_cli.store import CacheStore
 
-        self.store = CacheStore.open(store_url)
+        self.store = CacheStore.open(store_url, partial=True)  # a lost segment: answer from the others
         self.store_url = store_url
         if len(self.store) == 0:
             raise NoPassagesError(f"Store {store_url} has no passages.",
