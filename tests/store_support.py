@@ -115,3 +115,29 @@ def same_caches(store, caches: dict) -> bool:
     """Whether the store holds exactly the passages of `caches` (id -> array), bit for bit."""
     ids = sorted(caches)
     return sorted(store.ids()) == ids and all(np.array_equal(a, caches[i]) for i, a in zip(ids, store.read(ids)))
+
+
+def indexed_store(root, words, receiver, commit_every: int) -> dict:
+    """A store of one passage per word (each passage has its own word), in segments of
+    `commit_every`, encoded with the receiver's own caches (closed fuser, float32) and indexed:
+    its path, every passage's cache, the corpus and the receiver."""
+    import json
+
+    from cachegraft_cli.corpus import read_corpus
+    from cachegraft_cli.encoding.local import encode_corpus
+    from cachegraft_cli.encoding.plan import EncodeOptions
+    from cachegraft_cli.retrieval.stored import build_store_index
+    from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.store import CacheStore
+
+    corpus = root / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": f"Entry {i}",
+                                          "text": f"The {w} entry tells of {w} things."}) + "\n"
+                              for i, w in enumerate(words)))
+    session = ModelSession(ModelChoice(str(receiver), None, "closed", device="cpu", dtype="float32"))
+    store = root / "store"
+    encode_corpus(read_corpus(corpus), str(store), session, EncodeOptions(commit_every=commit_every))
+    build_store_index(str(store))
+    opened = CacheStore.open(str(store))
+    return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids()))), "corpus": corpus,
+            "receiver": str(receiver), "segments": len(opened.segments)}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cli_support import run_cli
 from faults import record
+from store_support import indexed_store
 
 from cachegraft_cli.store import CacheStore
 
@@ -27,25 +28,9 @@ def run(capsys, monkeypatch, *args):
 @pytest.fixture(scope="module")
 def pristine(tiny_dirs, tmp_path_factory):
     """12 passages in 3 segments (one shard each), indexed; each passage has its own word."""
-    from cachegraft_cli.corpus import read_corpus
-    from cachegraft_cli.encoding.local import encode_corpus
-    from cachegraft_cli.encoding.plan import EncodeOptions
-    from cachegraft_cli.retrieval.stored import build_store_index
-    from cachegraft_cli.session import ModelChoice, ModelSession
-
-    root = tmp_path_factory.mktemp("damage")
-    corpus = root / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": f"Entry {i}",
-                                          "text": f"The {w} entry tells of {w} things."}) + "\n"
-                              for i, w in enumerate(WORDS)))
-    session = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
-    store = root / "store"
-    encode_corpus(read_corpus(corpus), str(store), session, EncodeOptions(commit_every=4))
-    build_store_index(str(store))
-    opened = CacheStore.open(str(store))
-    assert len(opened.segments) == 3
-    return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids()))), "corpus": corpus,
-            "receiver": str(tiny_dirs["receiver"])}
+    built = indexed_store(tmp_path_factory.mktemp("damage"), WORDS, tiny_dirs["receiver"], commit_every=4)
+    assert built.pop("segments") == 3
+    return built
 
 
 @pytest.fixture
