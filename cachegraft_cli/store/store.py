@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError, UsageError
+from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.store import checksums, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
@@ -209,6 +209,30 @@ class CacheStore:
             if check:
                 self._check_passage(ti, ri, kind, parts)
             out.append(self.codec.decode(parts, *span))
+        return out
+
+    @property
+    def keep(self) -> dict | None:
+        """How a pruned store chose its tokens (`{"ratio": R, "by": method}`); None: every token is stored."""
+        return self.identity.get("keep")
+
+    def positions(self, ids: list[str]) -> list[tuple[np.ndarray, int] | None]:
+        """Per passage of a pruned store: its stored tokens' positions in the passage, and the
+        passage's token count before pruning; None for a passage stored whole. From the row
+        tables alone (no cache or text is read)."""
+        out: list[tuple[np.ndarray, int] | None] = []
+        for ti, ri in (self._locate(pid) for pid in ids):
+            table = self._tables[ti]
+            kept = table.positions(ri)
+            if kept is None or table.span_tokens is None:
+                if self.keep is not None:  # a pruned store's row without positions would be misplaced: refuse
+                    raise StoreCorruptError(
+                        f"store {self.loc.url}: segment {table.segment} of a pruned store (keep "
+                        f"{self.keep['ratio']}) records no kept positions for passage {table.ids[ri]!r}.",
+                        hint="Run `cachegraft store verify`; re-encode the passage with the store's --keep.")
+                out.append(None)
+            else:
+                out.append((np.asarray(kept, dtype=np.int64), int(table.span_tokens[ri])))
         return out
 
     def _check_passage(self, ti: int, ri: int, kind: str, parts: dict) -> None:
