@@ -60,6 +60,25 @@ class AnswererConfig:
         return o.get("codec", self.codec), keep, o.get("keep_by", self.keep_by) if keep < 1 else "attention"
 
 
+class ReusedFusion:
+    """A `PassageFusion` whose results are kept by batch: the stores an evaluation encodes from
+    one corpus (other codecs, keep ratios) get the very same fused caches, computed once. Attention
+    scores are always computed (the forward's caches are the same bits with or without them)."""
+
+    def __init__(self, fusion):
+        self.fusion = fusion
+        self.kept: dict[tuple, list] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.fusion, name)
+
+    def fuse(self, passages: list[list[int]], attention: bool = False) -> list:
+        key = tuple(tuple(p) for p in passages)
+        if key not in self.kept:
+            self.kept[key] = self.fusion.fuse(passages, attention=True)
+        return self.kept[key]
+
+
 class StoreAnswerer:
     def __init__(self, config: AnswererConfig, systems: list[str]):
         from cachegraft_cli.evaluation.variants import base_system, parse_variant
@@ -111,6 +130,9 @@ class StoreAnswerer:
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
         for fuser in self._fusers():
+            if len(self.stores_needed) > 1:  # stores of one corpus differ after fusion only: fuse it once
+                session = self._session(fuser)
+                session.__dict__["_fusion"] = ReusedFusion(session.fusion())
             for settings in self.stores_needed:
                 url = self._store_url(benchmark_name, fuser, settings)
                 codec, keep, keep_by = settings
