@@ -150,3 +150,30 @@ def test_bad_keep_is_refused(bad):
 def test_bad_keep_method_is_refused():
     with pytest.raises(UsageError, match="unknown keep method"):
         EncodeOptions(keep=0.5, keep_by="random")
+
+
+def test_cli_encode_keep_and_store_info_ratio(tiny_dirs, tmp_path, capsys, monkeypatch):
+    from cli_support import run_cli
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in _passages(4)))
+    common = ["--receiver", tiny_dirs["receiver"], "--fuser", "closed", "--device", "cpu", "--dtype", "float32"]
+    reports = {}
+    for keep in ("1", "0.5"):
+        store = tmp_path / f"s{keep}"
+        code, out, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", store, "--keep", keep, *common)
+        assert code == 0, err
+        code, out, _ = run_cli(capsys, monkeypatch, "store", "info", store, "--json")
+        reports[keep] = json.loads(out)
+        code, text, _ = run_cli(capsys, monkeypatch, "store", "info", store)
+        assert "stored / raw fused" in text and ("of each passage's tokens" in text) == (keep == "0.5")
+    full, half = reports["1"], reports["0.5"]
+    assert full["keep"] is None and half["keep"] == {"ratio": 0.5, "by": "attention"}
+    assert half["passage_tokens"] == full["passage_tokens"] == full["tokens"] > half["tokens"]
+    assert full["ratio_to_raw_bf16_full"]["fused"] == pytest.approx(full["ratio_to_raw_bf16"]["fused"])
+    assert half["ratio_to_raw_bf16_full"]["fused"] < 0.6 * full["ratio_to_raw_bf16_full"]["fused"]
+    code, _, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", tmp_path / "s0.5", "--keep", "0.25",
+                           *common)
+    assert code != 0 and code != 70 and "--keep 0.5 (by attention)" in err
+    code, _, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", tmp_path / "bad", "--keep", "1.5", *common)
+    assert code != 0 and code != 70 and "keep must be" in err
