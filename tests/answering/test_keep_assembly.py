@@ -7,9 +7,34 @@ import numpy as np
 import pytest
 import torch
 
-from cachegraft_cli.answering.assembly import AssemblyOptions, Layout, visibility
+from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions, Layout, visibility
+from cachegraft_cli.fuser.fuser import Fuser
+from cachegraft_cli.fuser.fusion import PassageFusion
+from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate, prompt_logits
-from test_assembly import QUESTION, _setup
+from cachegraft_cli.lm.template import PromptTemplate
+
+PASSAGES = [
+    ("Harbor", "Harbor town was founded in 1820 by fishermen who built the first lighthouse."),
+    ("", "The quick brown fox jumps over the lazy dog near the river bank."),
+    ("Treaty", "The treaty was signed in Vienna after long talks between the two empires, 56.7% agreed."),
+    ("Light", "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."),
+]
+QUESTION = "who built the first lighthouse?"
+
+
+def _setup(tiny_models, fused: bool = True):
+    """(receiver, template, assembler, fused token-major caches, passage ids) through a random open fuser."""
+    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
+    tpl = PromptTemplate.for_tokenizer(r.tokenizer)
+    torch.manual_seed(3)
+    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
+    fuser.set_gates(1.0)
+    fuser.eval()
+    engine = PassageFusion(r, tpl.prefix_ids(), s, fuser)
+    ids = [tpl.passage_ids(t, x) for t, x in PASSAGES]
+    arrays = [kvcache.to_token_major(kv.fused) for kv in engine.fuse(ids)]
+    return r, tpl, Assembler(r, engine.prefix_kv()), arrays, ids
 
 
 def _every_other(arrays):
