@@ -31,7 +31,8 @@ def parse_args(argv):
     ap.add_argument("--passages", type=int, default=bc.REAL_PASSAGES)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--use-store", default=None, help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
+    ap.add_argument("--use-store", default=None,
+                    help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
     return ap.parse_args(argv)
 
 
@@ -42,8 +43,9 @@ def run(asker, questions: list[str], options, batch: int) -> tuple[float, list[s
         results = [asker.ask(q, options) for q in questions]
     elif "batch_size" in inspect.signature(asker.ask_many).parameters:
         results = asker.ask_many(questions, options, batch_size=batch)
-    else:  # the briefed signature ask_many(questions, options): batch by calling per chunk
-        results = [r for i in range(0, len(questions), batch) for r in asker.ask_many(questions[i : i + batch], options)]
+    else:  # an ask_many(questions, options) without batch_size: batch by calling per chunk
+        results = [r for i in range(0, len(questions), batch)
+                   for r in asker.ask_many(questions[i : i + batch], options)]
     return time.perf_counter() - t0, [r["answer"] for r in results]
 
 
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
             bc.log(f"batch {b}: {len(questions) / s:.3f} q/s")
     qps = {b: len(questions) / bc.median(secs[b]) for b in runnable}
     same = {b: sum(a == s for a, s in zip(answers[b], answers[1])) for b in runnable if 1 in answers}
-    rows = [[b, f"{qps[b]:.3f}" if b in qps else "not available", f"{qps[b] / qps[1]:.2f}x" if b in qps and 1 in qps else "-",
+    rows = [[b, f"{qps[b]:.3f}" if b in qps else "not available",
+             f"{qps[b] / qps[1]:.2f}x" if b in qps and 1 in qps else "-",
              f"{same[b]}/{len(questions)}" if b in same else "-"] for b in sizes]
     bc.print_table(f"batch throughput: {args.system}, k={args.k}, {len(questions)} questions, "
                    f"max_new_tokens {args.max_new_tokens}, median of {args.repeats}",
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
         print("Asker.ask_many is not available in this CacheGraft: batched sizes not measured")
     print(f"machine at start: {start_machine}; loadavg at end {bc.machine()['loadavg']}")
     bc.emit({"bench": "batch_throughput", "system": args.system, "k": args.k, "questions": len(questions),
-             "qps": {str(b): qps.get(b, "not available") for b in sizes}, "same_answers": {str(b): v for b, v in same.items()},
+             "qps": {str(b): qps.get(b, "not available") for b in sizes},
+             "same_answers": {str(b): v for b, v in same.items()},
              "machine_start": start_machine, "machine_end": bc.machine()})
     return 0
 

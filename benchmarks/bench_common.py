@@ -11,16 +11,16 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import json  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from cachegraft_cli.config import pulled_models_dir as _pulled_models_dir  # noqa: E402
+from cachegraft_cli.config import pulled_models_dir as _pulled_models_dir
 
 REPO = Path(__file__).resolve().parents[1]
 # The pulled offline pair (`cachegraft models pull offline`) unless $CACHEGRAFT_BENCH_MODELS names
@@ -57,8 +57,8 @@ def machine() -> dict:
     """What the figures were measured on (load matters on a shared machine)."""
     import torch
 
-    return {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "loadavg": [round(x, 2) for x in os.getloadavg()],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    return {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def log(msg: str) -> None:

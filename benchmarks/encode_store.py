@@ -27,8 +27,10 @@ SQUAD = Path(os.environ.get("CACHEGRAFT_QA_DATA") or Path(__file__).resolve().pa
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--receiver", default=os.environ.get("CACHEGRAFT_TEST_RECEIVER", str(MODELS / "qwen2.5-coder-0.5b-instruct")))
-    p.add_argument("--sharer", default=os.environ.get("CACHEGRAFT_TEST_SHARER", str(MODELS / "qwen2.5-coder-1.5b-instruct")))
+    p.add_argument("--receiver",
+                   default=os.environ.get("CACHEGRAFT_TEST_RECEIVER", str(MODELS / "qwen2.5-coder-0.5b-instruct")))
+    p.add_argument("--sharer",
+                   default=os.environ.get("CACHEGRAFT_TEST_SHARER", str(MODELS / "qwen2.5-coder-1.5b-instruct")))
     p.add_argument("--fuser", default="random", help="fuser dir, 'random' (gates open) or 'closed'")
     p.add_argument("--squad", default=str(SQUAD))
     p.add_argument("--n", type=int, default=32)

@@ -37,24 +37,23 @@ import os
 # (ourselves included) and makes timings depend on the neighbours.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from cachegraft_cli import fusion  # noqa: E402
-from cachegraft_cli.config import pulled_models_dir  # noqa: E402
-from cachegraft_cli.fuser import load_fuser, place_fuser  # noqa: E402
-from cachegraft_cli.fuser.fuser import Fuser  # noqa: E402
-from cachegraft_cli.fuser.fusion import PassageFusion  # noqa: E402
-from cachegraft_cli.lm.models import cpu_has_fast_bf16, load_causal_lm  # noqa: E402
-from cachegraft_cli.lm.template import PromptTemplate  # noqa: E402
+from cachegraft_cli.config import pulled_models_dir
+from cachegraft_cli.fuser import fusion, load_fuser, place_fuser
+from cachegraft_cli.fuser.fuser import Fuser
+from cachegraft_cli.fuser.fusion import PassageFusion
+from cachegraft_cli.lm.models import cpu_has_fast_bf16, load_causal_lm
+from cachegraft_cli.lm.template import PromptTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("CACHEGRAFT_BENCH_MODELS") or pulled_models_dir())  # `cachegraft models pull offline`

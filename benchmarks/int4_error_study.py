@@ -82,17 +82,22 @@ def main(argv=None) -> int:
         unrotated = np.stack([raw, v], axis=2)
         sym = {"zero_point": False}
         variants = {
-            "keys: symmetric, 32-token groups (int4 before zero points)": (k, int4(x, geometry, key_group=32, **sym)[:, :, 0]),
-            **{f"keys: zero point, {g}-token groups": (k, int4(x, geometry, key_group=g)[:, :, 0]) for g in (32, 64, 128, 256)},
+            "keys: symmetric, 32-token groups (int4 before zero points)":
+                (k, int4(x, geometry, key_group=32, **sym)[:, :, 0]),
+            **{f"keys: zero point, {g}-token groups": (k, int4(x, geometry, key_group=g)[:, :, 0])
+               for g in (32, 64, 128, 256)},
             "keys: before RoPE, zero point, 128-token groups":
                 (k, rotate(int4(unrotated, geometry, key_group=128)[:, :, 0], pos, inv_freq, 1)),
-            "values: symmetric, 64-channel groups (int4 before zero points)": (v, int4(x, geometry, value_group=64, **sym)[:, :, 1]),
+            "values: symmetric, 64-channel groups (int4 before zero points)":
+                (v, int4(x, geometry, value_group=64, **sym)[:, :, 1]),
             "values: symmetric, 32-channel groups": (v, int4(x, geometry, value_group=32, **sym)[:, :, 1]),
-            **{f"values: zero point, {g}-channel groups": (v, int4(x, geometry, value_group=g)[:, :, 1]) for g in (64, 32, 16)},
+            **{f"values: zero point, {g}-channel groups": (v, int4(x, geometry, value_group=g)[:, :, 1])
+               for g in (64, 32, 16)},
         }
         for name, (exact, approx) in variants.items():
             errors.setdefault(name, []).append(rel_rms(exact, approx))
-    for name, g, params in [("symmetric", 32, {"zero_point": False}), *[("zero point", g, {}) for g in (32, 64, 128, 256)]]:
+    settings = [("symmetric", 32, {"zero_point": False}), *[("zero point", g, {}) for g in (32, 64, 128, 256)]]
+    for name, g, params in settings:
         for exact, approx in zip(caches, as_stored(caches, geometry, key_group=g, **params)):
             errors.setdefault(f"keys as stored (groups span passages): {name}, {g}-token groups", []).append(
                 rel_rms(exact[:, :, 0], approx[:, :, 0]))

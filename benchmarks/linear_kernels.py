@@ -12,12 +12,14 @@ over a question-sized and a prompt-sized input with each path.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 import bench_common as bc
 
-SHAPES = {"q/o 896x896": (896, 896), "k/v 896x128": (896, 128), "gate/up 896x4864": (896, 4864), "down 4864x896": (4864, 896)}
+SHAPES = {"q/o 896x896": (896, 896), "k/v 896x128": (896, 128), "gate/up 896x4864": (896, 4864),
+          "down 4864x896": (4864, 896)}
 
 
 def parse_args(argv):
@@ -54,7 +56,8 @@ def layer_rows(rows: list[int], repeats: int) -> list[list]:
                 t = {"torch": [], "onednn": []}
                 for r in range(3):  # interleaved, order rotating
                     for key in bc.rotated(list(t), r):
-                        t[key].append(timed(lambda: (plain if key == "torch" else routed)(x), repeats))
+                        layer = plain if key == "torch" else routed
+                        t[key].append(timed(functools.partial(layer, x), repeats))
             a, b = bc.median(t["torch"]), bc.median(t["onednn"])
             out.append([name, m, a * 1e3, b * 1e3, a / b])
     return out
@@ -77,7 +80,7 @@ def model_rows(lengths=(21, 700)) -> list[list]:
                 for key in bc.rotated(list(t), r):
                     for m in routed:
                         m.__class__ = torch.nn.Linear if key == "torch" else OneDnnLinear
-                    t[key].append(timed(lambda: model(ids, logits_to_keep=1), 1))
+                    t[key].append(timed(functools.partial(model, ids, logits_to_keep=1), 1))
         a, b = bc.median(t["torch"]), bc.median(t["onednn"])
         out.append([f"receiver forward ({len(routed)} linears)", n, a * 1e3, b * 1e3, a / b])
     return out

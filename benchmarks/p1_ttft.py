@@ -10,11 +10,12 @@ question) runs all systems back to back, the order rotating each time.
 `first_token` (Asker timings) runs from the start of the request - retrieval
 and cache loading included - to the first generated token.
 
-`graft` runs with the library's default assembly (passage order, boundary
-recompute); `--variants` adds graft under other assemblies side by side
-(default: `recompute=0`, the plain stored-cache path, and `blend=0.15`,
-selective recompute), so what recompute costs shows in the same run. The
-text/graft target is checked on the default `graft`.
+`graft` runs with the library's default assembly (best passage last, no
+boundary recompute); `--variants` adds graft under other assemblies side by
+side (default: `recompute=0`, which repeats the default, and `blend=0.15`,
+selective recompute; e.g. `recompute=16` times boundary recompute), so what
+recompute costs shows in the same run. The text/graft target is checked on
+the default `graft`.
 
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
     variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith("graft@")}
     rows = [[s, med[s]["prompt_tokens"], med[s]["recomputed"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"],
              ttft[s]] for s in options]
-    bc.print_table(f"P1 time to first token, k={args.k}, median of {len(questions)} questions x {args.repeats} repeats (s)",
+    bc.print_table(f"P1 time to first token, k={args.k}, "
+                   f"median of {len(questions)} questions x {args.repeats} repeats (s)",
                    ["system", "question_tok", "recomputed_tok", "retrieve", "load", "prefill", "first_token"], rows)
     for name, value in ratios.items():
         print(f"{name}: {value:.1f}x  -> {bc.verdict(value, TARGETS[name], at_most=False)}")

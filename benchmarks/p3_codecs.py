@@ -143,7 +143,8 @@ def main(argv=None) -> int:
              deltas[c]["delta_pts"] if c in deltas else 0.0,
              "%.2f..%.2f" % tuple(deltas[c]["ci95"]) if c in deltas else "-",
              deltas[c]["changed"] if c in deltas else "-"] for c in codecs]
-    bc.print_table(f"P3 codecs: {len(passages)} passages ({sizes['float32']['tokens']} tokens), {len(questions)} questions, "
+    bc.print_table(f"P3 codecs: {len(passages)} passages ({sizes['float32']['tokens']} tokens), "
+                   f"{len(questions)} questions, "
                    f"graft k={args.k}, fuser {args.fuser}",
                    ["codec", "B/token", "ratio", "nominal", "F1", "dF1_pts", "95%CI", "q_changed"], rows)
     verdicts = {}
@@ -151,7 +152,8 @@ def main(argv=None) -> int:
         if c not in deltas:
             continue
         drop = -deltas[c]["delta_pts"]
-        verdicts[c] = {"bytes": bc.verdict(sizes[c]["ratio"], t["bytes_ratio"]), "f1": bc.verdict(drop, t["f1_drop_pts"])}
+        verdicts[c] = {"bytes": bc.verdict(sizes[c]["ratio"], t["bytes_ratio"]),
+                       "f1": bc.verdict(drop, t["f1_drop_pts"])}
         print(f"{c}: bytes {verdicts[c]['bytes']}; F1 drop {verdicts[c]['f1']}")
     print(f"machine at start: {start_machine}; at end: loadavg {bc.machine()['loadavg']}")
     bc.emit({"bench": "p3_codecs", "fuser": args.fuser, "k": args.k, "questions": len(questions),

@@ -76,7 +76,8 @@ class Synth:
         self.words = np.array([f"w{i}" for i in range(20_000)])
 
     def _pool(self, tokens: int) -> np.ndarray:
-        """bf16-exact float32 (tokens, L, 2, H, D): keys N(0,1) x log-normal per-channel scale + offset, values N(0, .5)."""
+        """bf16-exact float32 (tokens, L, 2, H, D): keys N(0,1) x log-normal per-channel scale + offset,
+        values N(0, .5)."""
         g = self.geometry
         shape = (tokens, g["layers"], g["kv_heads"], g["head_dim"])
         scale = np.exp(self.rng.normal(0, 1, shape[1:])).astype(np.float32)
@@ -92,8 +93,9 @@ class Synth:
         n = int(self.rng.integers(self.lengths[0], self.lengths[1] + 1))
         start = int(self.rng.integers(0, len(self.pool) - n))
         text = self.texts(1)[0]
-        return PassageRow(id=f"{prefix}{i}", title=f"t{i}", text=text, content_hash=content_hash_of(f"{prefix}{i} {text}")), \
-            self.pool[start : start + n]
+        row = PassageRow(id=f"{prefix}{i}", title=f"t{i}", text=text,
+                         content_hash=content_hash_of(f"{prefix}{i} {text}"))
+        return row, self.pool[start : start + n]
 
 
     def texts(self, n: int) -> list[str]:
@@ -268,7 +270,8 @@ def measure_reads(urls: dict, k: int, repeats: int, seed: int) -> dict:
             cold[name].append(time.perf_counter() - t0 + time_one(p, random.Random(r), k)["ask_like"])
             opens[name].append(p.open_s)
     return {name: {key: bc.median(x[key] for x in rs) for key in rs[0]} | {"open": bc.median(opens[name]),
-            "cold_ask_like": bc.median(cold[name]), "ask_like_disk": bc.median(disk[name]), "read_ratio_max": max(x["read_ratio"] for x in rs)}
+            "cold_ask_like": bc.median(cold[name]), "ask_like_disk": bc.median(disk[name]),
+            "read_ratio_max": max(x["read_ratio"] for x in rs)}
             for name, rs in runs.items()}
 
 
@@ -330,7 +333,8 @@ def main(argv=None) -> int:
     lengths = tuple(int(x) for x in args.tokens.split(","))
     synth = Synth(geometry, lengths, args.seed)
     tag = f"g{layers}x{heads}x{dim}-t{lengths[0]}-{lengths[1]}-s{args.seed}"
-    urls = {"big": str(bc.WORK_DIR / f"scale-{tag}-n{args.big}"), "small": str(bc.WORK_DIR / f"scale-{tag}-n{args.small}")}
+    urls = {"big": str(bc.WORK_DIR / f"scale-{tag}-n{args.big}"),
+            "small": str(bc.WORK_DIR / f"scale-{tag}-n{args.small}")}
     built = {name: build(u, args.big if name == "big" else args.small, geometry, synth) for name, u in urls.items()}
     disk = {name: _du(u) for name, u in urls.items()}
     bc.log(f"stores ready (build seconds {built}, bytes {disk})")
@@ -356,10 +360,13 @@ def report(args, geometry, reads, appends, disk, built, start_machine) -> None:
              ["append_write_only", we * 1e3, wb * 1e3, wb / we],
              ["index_update", appends["index_empty"] * 1e3, appends["index_big"] * 1e3,
               appends["index_big"] / appends["index_empty"]]]
-    bc.print_table(f"P4/P5 store scale: {args.small} vs {args.big} passages, geometry {geometry}, tokens {args.tokens}, "
-                   f"k={args.k}, {args.repeats} read repeats, {args.append_repeats} appends of {args.append} "
-                   f"(append/index columns: empty store vs big store)", ["what", "small_ms", "big_ms", "big/small"], rows)
-    ratios = {"p4_read_ratio": reads["big"]["read_ratio"], "p4_latency_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
+    bc.print_table(f"P4/P5 store scale: {args.small} vs {args.big} passages, geometry {geometry}, "
+                   f"tokens {args.tokens}, k={args.k}, {args.repeats} read repeats, "
+                   f"{args.append_repeats} appends of {args.append} "
+                   f"(append/index columns: empty store vs big store)", ["what", "small_ms", "big_ms", "big/small"],
+                   rows)
+    ratios = {"p4_read_ratio": reads["big"]["read_ratio"],
+              "p4_latency_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
               "p4_read_latency_big/small": reads["big"]["read"] / reads["small"]["read"],
               "p5_append_big/empty": appends["big"] / appends["empty"], "p5_append_write_only_big/empty": wb / we,
               "p4_cold_ask_like_big/small": reads["big"]["cold_ask_like"] / reads["small"]["cold_ask_like"],
@@ -375,8 +382,10 @@ def report(args, geometry, reads, appends, disk, built, start_machine) -> None:
     print(f"P5 append (open + write + commit) big/empty -> {bc.verdict(ratios['p5_append_big/empty'], 1.1)}; "
           f"write+commit only {ratios['p5_append_write_only_big/empty']:.2f}x "
           f"(index update after it: {ratios['p5_index_update_big/empty']:.2f}x)")
-    print(f"disk bytes {disk}; build seconds {built}; machine at start {start_machine}; loadavg at end {bc.machine()['loadavg']}")
-    bc.emit({"bench": "p4_p5_store_scale", "geometry": geometry, "tokens": args.tokens, "big": args.big, "small": args.small,
+    print(f"disk bytes {disk}; build seconds {built}; machine at start {start_machine}; "
+          f"loadavg at end {bc.machine()['loadavg']}")
+    bc.emit({"bench": "p4_p5_store_scale", "geometry": geometry, "tokens": args.tokens, "big": args.big,
+             "small": args.small,
              "append": args.append, "reads": reads, "appends": {k: v for k, v in appends.items() if k != "runs"},
              "ratios": ratios, "targets": TARGETS, "disk_bytes": disk, "build_s": built,
              "machine_start": start_machine, "machine_end": bc.machine()})

@@ -35,7 +35,8 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--use-store", default=None, help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
+    ap.add_argument("--use-store", default=None,
+                    help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--question", default=None, help=argparse.SUPPRESS)
@@ -94,12 +95,15 @@ def main(argv=None) -> int:
         for system in bc.rotated(list(SYSTEMS), r):
             runs[system].append(run_child(system, url, questions[r % len(questions)].question, args))
             bc.log(f"{system}: {runs[system][-1]}")
-    keys = ("load_peak_mib", "rss_before_ask_mib", "ask_peak_mib", "ask_increment_mib", "ru_maxrss_mib", "prompt_tokens")
+    keys = ("load_peak_mib", "rss_before_ask_mib", "ask_peak_mib", "ask_increment_mib", "ru_maxrss_mib",
+            "prompt_tokens")
     med = {s: {k: bc.median(x[k] for x in rs) for k in keys} for s, rs in runs.items()}
-    bc.print_table(f"P6 memory of one ask, k={args.k}, receiver only, fresh process each, median of {args.repeats} (MiB)",
+    bc.print_table(f"P6 memory of one ask, k={args.k}, receiver only, fresh process each, "
+                   f"median of {args.repeats} (MiB)",
                    ["system", *keys], [[s, *(med[s][k] for k in keys)] for s in SYSTEMS])
     ratio = {"ask_peak graft/text": med["graft"]["ask_peak_mib"] / med["text"]["ask_peak_mib"],
-             "ask_increment graft/text": med["graft"]["ask_increment_mib"] / max(med["text"]["ask_increment_mib"], 1e-9),
+             "ask_increment graft/text":
+                 med["graft"]["ask_increment_mib"] / max(med["text"]["ask_increment_mib"], 1e-9),
              "process_peak graft/text": med["graft"]["ru_maxrss_mib"] / med["text"]["ru_maxrss_mib"]}
     for name, value in ratio.items():
         print(f"{name}: {value:.3f} (reported; no target)")

@@ -5,7 +5,7 @@ Real offline pair (receiver Qwen2.5-Coder-0.5B, sharer 1.5B) with the shipped fu
 `builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135`, N SQuAD paragraphs. Conditions,
 each in a fresh process (models load in each; the order rotates every repeat):
 
-- local:    `encode_corpus`, torch with 2 threads (the default engine)
+- local:    `encode_corpus`, torch with 2 threads (the default runner)
 - local-1t: the same with 1 thread (the compute one Ray actor gets)
 - ray-1:    `encode_on_ray`, a local Ray runtime, 1 actor (1 CPU, 1 thread)
 - ray-2:    the same with 2 actors (2 CPUs: all this machine has)

@@ -103,7 +103,8 @@ def agreement(got: list[list[str]], reference: list[list[str]], questions: list)
         out[f"same_top{k}_lists"] = sum(a[:k] == b[:k] for a, b in zip(got, reference))
         out[f"same_top{k}_sets"] = sum(set(a[:k]) == set(b[:k]) for a, b in zip(got, reference))
     for k in KS:
-        out[f"reference_recall@{k}"] = sum(gold in ids[:k] for ids, (_, gold) in zip(reference, questions)) / len(questions)
+        hits = sum(gold in ids[:k] for ids, (_, gold) in zip(reference, questions))
+        out[f"reference_recall@{k}"] = hits / len(questions)
     return out
 
 
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({key: results["bm25"][key] for key in ("reference", "vs_exact_k1_1.2", "k1_1.2_vs_1.5")}),
               file=sys.stderr)
     summary = {"data": Path(args.data).name, "passages": len(passages), "questions": len(questions),
-               "seed": args.seed, "embedder": args.embedder, "engines": engines, "total_s": round(time.perf_counter() - t0, 1),
-               "results": results}
+               "seed": args.seed, "embedder": args.embedder, "engines": engines,
+               "total_s": round(time.perf_counter() - t0, 1), "results": results}
     print(json.dumps(summary))
     return 0
 

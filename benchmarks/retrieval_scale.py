@@ -90,7 +90,9 @@ class Data:
         """Texts of rows [lo, hi)."""
         real = self.paragraphs[lo:min(hi, len(self.paragraphs))]
         start = max(lo, len(self.paragraphs))
-        return real + [d.text for d in rc.passages(self.vocab, hi - start, self.args.seed, start)] if hi > start else real
+        if hi <= start:
+            return real
+        return real + [d.text for d in rc.passages(self.vocab, hi - start, self.args.seed, start)]
 
     def terms(self, lo: int, hi: int) -> list[list[str]]:
         return [self.tokenize(t) for t in self.texts(lo, hi)]

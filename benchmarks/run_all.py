@@ -76,7 +76,8 @@ def figures(key: str, out: dict) -> list[tuple[str, float | str, str, str]]:
     if key == "p4":
         r = out["ratios"]
         return [("P4a read/stored bytes (synthetic big)", r["p4_read_ratio"], "<= 1.5", _v(r["p4_read_ratio"] <= 1.5)),
-                ("P4b ask-like latency 100k/1k", r["p4_latency_big/small"], "<= 1.1", _v(r["p4_latency_big/small"] <= 1.1)),
+                ("P4b ask-like latency 100k/1k", r["p4_latency_big/small"], "<= 1.1",
+                 _v(r["p4_latency_big/small"] <= 1.1)),
                 ("P4b same, page cache evicted before each read", r["p4_disk_ask_like_big/small"], "<= 1.1",
                  _v(r["p4_disk_ask_like_big/small"] <= 1.1)),
                 ("P5 append 1k: 100k/empty", r["p5_append_big/empty"], "<= 1.1", _v(r["p5_append_big/empty"] <= 1.1)),
@@ -122,9 +123,11 @@ def main(argv=None) -> int:
             continue
         rows += safe_figures(key, out)
     total = round(sum(seconds.values()))
-    bc.print_table(f"CacheGraft benchmark suite ({total} s; per benchmark: { {k: round(v) for k, v in seconds.items()} })",
+    per_bench = {k: round(v) for k, v in seconds.items()}
+    bc.print_table(f"CacheGraft benchmark suite ({total} s; per benchmark: {per_bench})",
                    ["figure", "value", "target", "verdict"], [list(r) for r in rows])
-    bc.emit({"bench": "run_all", "figures": [{"figure": f, "value": v, "target": t, "verdict": d} for f, v, t, d in rows],
+    figures = [{"figure": f, "value": v, "target": t, "verdict": d} for f, v, t, d in rows]
+    bc.emit({"bench": "run_all", "figures": figures,
              "seconds": seconds, "machine_end": bc.machine()})
     return 0
 

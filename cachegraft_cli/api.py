@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypedDict
 
-from cachegraft_cli.answering.options import AskOptions
+from cachegraft_cli import checks
+from cachegraft_cli.answering.options import AskOptions, check_batch_size, check_index_kind
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.errors import CacheGraftError, UsageError
@@ -115,15 +116,12 @@ def ask_options(options: AskOptions | None = None, **settings: Unpack[AskSetting
     if unknown:
         raise UsageError(f"Unknown ask option(s): {', '.join(unknown)}.",
                          f"Known: {', '.join(sorted(ask_names | generation_names))}.")
-    if options is not None and not isinstance(options, AskOptions):
-        raise UsageError(f"options must be an AskOptions, not {type(options).__name__}.",
-                         "Build one with cg.AskOptions(...), or pass the settings as keyword arguments.")
-    base = options or AskOptions()
+    checks.instance("options", options, AskOptions,
+                    "Build one with cg.AskOptions(...), or pass the settings as keyword arguments.")
+    base = (options or AskOptions()).check()  # a bad `generation` is refused before it is copied
     values: dict[str, Any] = dict(settings)
     generation = replace(base.generation, **{k: v for k, v in values.items() if k in generation_names})
-    built = replace(base, **{k: v for k, v in values.items() if k in ask_names}, generation=generation)
-    built.check()
-    return built
+    return replace(base, **{k: v for k, v in values.items() if k in ask_names}, generation=generation).check()
 
 
 class Store:
@@ -136,12 +134,15 @@ class Store:
         from cachegraft_cli.session import ModelChoice
         from cachegraft_cli.store import CacheStore
 
-        self.path = str(path)
+        self.path = checks.location("store", path)
+        for name, value in (("sharer (--sharer)", sharer), ("device (--device)", device), ("dtype (--dtype)", dtype)):
+            checks.optional_text(name, value)
+        self._index_kind = check_index_kind(index_kind)
+        checks.flag("trust_remote_code (--trust-remote-code)", trust_remote_code)
         CacheStore.check_exists(self.path)  # a missing store fails here, with its hint
         # device, dtype and a local sharer are checked now, before anything loads
         self._overrides = ModelChoice("", sharer, None, device=device, dtype=dtype,
                                       trust_remote_code=trust_remote_code).check()
-        self._index_kind = index_kind
         self._asker: Asker | None = None
 
     @property
@@ -175,21 +176,27 @@ class Store:
 
         opts = ask_options(options, **settings)
         check_question(question)
+        checks.callback("on_text", on_text)
+        self.check(opts.system)
+        self.asker.check_fits([question], opts)  # the context window, from metadata: before the models load
         self.warm(opts.system)
         return Answer.from_result(self.asker.ask(question, opts, on_text=on_text))
 
     def ask_many(self, questions: Iterable[str], options: AskOptions | None = None, *, batch_size: int = 8,
                  **settings: Unpack[AskSettings]) -> list[Answer]:
-        """Answer questions decoded together in batches of `batch_size`, in order. A question that
-        retrieves no passage raises `NoPassagesError`."""
+        """Answer questions decoded together in batches of `batch_size`, in order (an empty list:
+        no answers, nothing loaded). A question that retrieves no passage raises `NoPassagesError`."""
         from cachegraft_cli.answering.systems import check_question
 
-        items = list(questions)
         opts = ask_options(options, **settings)
+        check_batch_size(batch_size)
+        items = checks.texts("questions", questions, example='["Who founded the town?", "When?"]')
         for q in items:
             check_question(q)
-        if batch_size < 1:
-            raise UsageError(f"batch_size must be at least 1, got {batch_size}.", "Use e.g. batch_size=8.")
+        if not items:
+            return []  # nothing to answer: no model needs loading
+        self.check(opts.system)
+        self.asker.check_fits(items, opts)
         self.warm(opts.system)
         return [Answer.from_result(r) for r in self.asker.ask_many(items, opts, batch_size)]
 
@@ -269,11 +276,16 @@ def encode(
     from cachegraft_cli.encoding.plan import check_corpus
     from cachegraft_cli.encoding.run import encode_into
 
+    store = checks.location("store", store)  # None would become a directory named ./None
+    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
+    _check_encode_arguments(corpus, options, fields_, names=dict(
+        preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,
+        instruction=instruction, format=format), flags={"trust_remote_code": trust_remote_code, "skip_bad": skip_bad},
+        callbacks={"progress": progress, "planned": planned})
     settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
                                 "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
-    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
     if isinstance(corpus, (str, Path)):
         reader = read_corpus(corpus, skip_bad=skip_bad, format=format, **fields_)
     else:
@@ -285,6 +297,36 @@ def encode(
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     return summary
+
+
+def _check_corpus_argument(corpus: Any) -> None:
+    """A path (str or os.PathLike, `-` for stdin) or an iterable of records; each record is
+    checked as it is read (`corpus.from_records`). A mapping would be read as its keys."""
+    import os
+
+    if isinstance(corpus, (str, os.PathLike)):
+        checks.location("corpus", corpus)
+    elif isinstance(corpus, (bytes, dict)) or not isinstance(corpus, Iterable):
+        raise UsageError(f"corpus must be a path or a list of passages; got {type(corpus).__name__}.",
+                         "Pass a corpus file or directory, or a list of cg.Passage or dicts with id and text, "
+                         "e.g. [{'id': 'a', 'text': 'Harbor town was founded in 1820.'}].")
+
+
+def _check_encode_arguments(corpus: Any, options: Any, fields_: dict, *, names: dict, flags: dict,
+                            callbacks: dict) -> None:
+    """`encode`'s arguments, before anything is read: model specs and other names (None or a
+    non-empty string), the corpus fields (non-empty strings), flags, callbacks and `options`."""
+    _check_corpus_argument(corpus)
+    for name, value in names.items():
+        checks.optional_text(f"{name} (--{name})", value)
+    for name, value in fields_.items():
+        checks.text(f"{name} (--{name.replace('_', '-')})", value)
+    for name, value in flags.items():
+        checks.flag(f"{name} (--{name.replace('_', '-')})", value)
+    for name, value in callbacks.items():
+        checks.callback(name, value)
+    checks.instance("options", options, EncodeOptions,
+                    "Build one with cg.EncodeOptions(...), or pass codec=, batch_size=, ... as keyword arguments.")
 
 
 def _runner(runner: str, ray: RayOptions | None, device: str | None) -> RayOptions | None:
@@ -299,7 +341,7 @@ def _runner(runner: str, ray: RayOptions | None, device: str | None) -> RayOptio
         return None
     from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
 
-    ray = ray or RayOptions()
+    ray = checks.instance("ray", ray, RayOptions, "Build one with cg.RayOptions(...).") or RayOptions()
     check_devices(device, ray)
     require_ray()
     return ray
@@ -312,13 +354,22 @@ def index(store: str | Path, kind: str = "bm25", embedder: str | None = None, re
     tantivy, usearch or flat for its parts, default the existing index's or tantivy + usearch)."""
     from cachegraft_cli.retrieval.stored import build_store_index
 
-    return build_store_index(str(store), kind, embedder, rebuild, engines=engines)
+    where = checks.location("store", store)
+    checks.optional_text("embedder (--embedder)", embedder)
+    checks.flag("rebuild (--rebuild)", rebuild)
+    if engines is not None:
+        engines = checks.texts("engines (--engine)", engines, example='["tantivy"]')
+    return build_store_index(where, kind, embedder, rebuild, engines=engines)
 
 
 def ask(question: str, store: str | Path, options: AskOptions | None = None, *, sharer: str | None = None,
         device: str | None = None, dtype: str | None = None, index_kind: str | None = None,
         trust_remote_code: bool = False, **settings: Unpack[AskSettings]) -> Answer:
     """Answer one question from a store (models loaded for this call only; keep a `Store` to reuse them)."""
+    from cachegraft_cli.answering.systems import check_question
+
+    ask_options(options, **settings)  # the options and the question first, as the CLI does
+    check_question(question)
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                         trust_remote_code=trust_remote_code)
     return opened.ask(question, options, **settings)
@@ -329,6 +380,9 @@ def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | 
              index_kind: str | None = None, trust_remote_code: bool = False,
              **settings: Unpack[AskSettings]) -> list[Answer]:
     """Answer many questions from a store, decoded in batches."""
+    ask_options(options, **settings)
+    check_batch_size(batch_size)
+    questions = checks.texts("questions", questions, example='["Who founded the town?", "When?"]')
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                         trust_remote_code=trust_remote_code)
     return opened.ask_many(questions, options, batch_size=batch_size, **settings)

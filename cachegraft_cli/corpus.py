@@ -150,7 +150,7 @@ class CorpusReader:
 def _spool(stream: IO) -> IO[bytes]:
     import tempfile
 
-    spool = tempfile.TemporaryFile(prefix="cachegraft-stdin-")  # noqa: SIM115 - lives as long as the reader
+    spool = tempfile.TemporaryFile(prefix="cachegraft-stdin-")  # not a `with`: it lives as long as the reader
     source = getattr(stream, "buffer", stream)
     while True:
         block = source.read(1 << 20)

@@ -5,9 +5,16 @@ has imported torch, transformers and cachegraft once (multiprocessing's
 forkserver), so a trial costs a fork and a model load instead of a fresh
 interpreter. Each child is a separate process, killed with a real SIGKILL.
 
+`Cli.call` runs a library function the same way (a store writer, a compaction).
+
 Faults a child can be given:
 - `kill_at`: SIGKILL itself just before its N-th write step (a store or index
   file written, a rename, a hard link);
+- `kill_before` / `stall_before`: SIGKILL itself (or print `STALLED` and sleep,
+  for the parent to kill it) just before one named step, `"OP:GLOB[#N]"`: the
+  N-th (default first) call of OP on a path matching GLOB, OP one of
+  `write_json` (`Location.write_json_atomic`), `write_bytes`, `remove` (store
+  paths) or `replace` (`os.replace`, its destination);
 - `disk_budget`: writes under `disk_root` fail with ENOSPC once this many
   bytes have been written there (a full disk);
 - `read_only`: writes under `disk_root` fail with EROFS.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import fnmatch
 import io
 import json
 import multiprocessing
@@ -27,13 +35,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PRELOAD = ["cachegraft_cli.cli.app", "cachegraft_cli.encoding.plan", "cachegraft_cli.store", "cachegraft_cli.retrieval.index",
-           "cachegraft_cli.evaluation.run", "cachegraft_cli.evaluation.answerer", "cachegraft_cli.answering.ask",
-           "cachegraft_cli.lm.kvcache", "cachegraft_cli.fuser.fusion", "cachegraft_cli.lm.models", "cachegraft_cli.lm.generation",
-           "cachegraft_cli.retrieval.engines.tantivy", "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
+PRELOAD = ["cachegraft_cli.cli.app", "cachegraft_cli.encoding.plan", "cachegraft_cli.store",
+           "cachegraft_cli.retrieval.index", "cachegraft_cli.evaluation.run", "cachegraft_cli.evaluation.answerer",
+           "cachegraft_cli.answering.ask", "cachegraft_cli.lm.kvcache", "cachegraft_cli.fuser.fusion",
+           "cachegraft_cli.lm.models", "cachegraft_cli.lm.generation", "cachegraft_cli.retrieval.engines.tantivy",
+           "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-           "transformers.models.qwen2.modeling_qwen2", "transformers.generation", "zarr", "numcodecs", "bm25s", "tantivy",
-           "tqdm", "rich"]
+           "transformers.models.qwen2.modeling_qwen2", "transformers.generation", "zarr", "numcodecs", "bm25s",
+           "tantivy", "tqdm", "rich"]
 
 _CTX = None
 
@@ -55,6 +64,8 @@ class Faults:
     read_only: bool = False
     env: dict = field(default_factory=dict)
     steps_file: str | None = None  # where the child writes how many write steps it took (when it exits)
+    kill_before: str | None = None  # "OP:GLOB[#N]" (see the module's docstring)
+    stall_before: str | None = None
 
 
 @dataclass
@@ -78,6 +89,15 @@ class Run:
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        """Until the child's stdout holds `text` (it reached a point); fails if it exits first."""
+        deadline = time.perf_counter() + timeout
+        while text not in self.stdout:
+            if not self.alive() or time.perf_counter() > deadline:
+                raise AssertionError(f"child {self.pid} did not print {text!r}: {self.stdout[-500:]}"
+                                     f"{self.stderr[-2000:]}")
+            time.sleep(0.02)
 
     def alive(self) -> bool:
         return self.proc.is_alive()
@@ -111,8 +131,17 @@ class Cli:
         run = self.start(*args, faults=faults, cwd=cwd)
         return run.wait(timeout), run
 
+    def call(self, func, *args, faults: Faults | None = None) -> Run:
+        """Start `func(*args)` (a module-level function, arguments that pickle) in a forked child."""
+        self.count += 1
+        out, err = self.logs / f"{self.count}.out", self.logs / f"{self.count}.err"
+        proc = _context().Process(target=_call_child, args=(func, args, str(out), str(err), faults or Faults(),
+                                                            sys.path[:]))
+        proc.start()
+        return Run(proc, out, err, time.perf_counter())
 
-def _child(argv: list[str], out: str, err: str, faults: Faults, cwd: str | None, path: list[str]) -> None:
+
+def _redirect(path: list[str], out: str, err: str) -> None:
     sys.path[:] = path
     for name, fd in ((out, 1), (err, 2)):
         handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -120,6 +149,17 @@ def _child(argv: list[str], out: str, err: str, faults: Faults, cwd: str | None,
         os.close(handle)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+
+
+def _call_child(func, args: tuple, out: str, err: str, faults: Faults, path: list[str]) -> None:
+    _redirect(path, out, err)
+    os.environ.update(faults.env)
+    _install(faults)
+    func(*args)
+
+
+def _child(argv: list[str], out: str, err: str, faults: Faults, cwd: str | None, path: list[str]) -> None:
+    _redirect(path, out, err)
     os.environ.update(faults.env)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if cwd:
@@ -155,6 +195,45 @@ def _install(faults: Faults) -> None:
         _count_write_steps()
     if faults.disk_root and (faults.disk_budget is not None or faults.read_only):
         _limit_disk(os.path.realpath(faults.disk_root), faults.disk_budget, faults.read_only)
+    if faults.kill_before:
+        _before_step(faults.kill_before, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if faults.stall_before:
+        _before_step(faults.stall_before, _stall)
+
+
+def _stall() -> None:
+    print("STALLED", flush=True)
+    time.sleep(120)  # the parent kills the child meanwhile
+
+
+def _before_step(spec: str, action) -> None:
+    """Run `action` just before the step `spec` names ("OP:GLOB[#N]", see the module's docstring)."""
+    from cachegraft_cli.store.location import Location
+
+    op, _, rest = spec.partition(":")
+    pattern, _, nth = rest.partition("#")
+    owner, name = {"write_json": (Location, "write_json_atomic"), "write_bytes": (Location, "write_bytes"),
+                   "remove": (Location, "remove"), "replace": (os, "replace")}[op]
+    real, seen = getattr(owner, name), [0]
+
+    def check(path) -> None:
+        if fnmatch.fnmatchcase(str(path), pattern):
+            seen[0] += 1
+            if seen[0] == int(nth or 1):
+                action()
+
+    if owner is os:
+        def hooked_os(src, dst, *a, **k):
+            check(dst)
+            return real(src, dst, *a, **k)
+
+        setattr(os, name, hooked_os)
+    else:
+        def hooked(self, rel, *a, **k):
+            check(rel)
+            return real(self, rel, *a, **k)
+
+        setattr(owner, name, hooked)
 
 
 def _count_write_steps() -> None:

@@ -94,7 +94,8 @@ def write_wheel(folder: Path, dist: str, version: str, members: dict[str, bytes]
     info = f"{norm}-{version}.dist-info"
     files = dict(members)
     files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
-    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: cachegraft-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{info}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: cachegraft-tests\n"
+                              b"Root-Is-Purelib: true\nTag: py3-none-any\n")
     record = "\n".join([_record_line(n, d) for n, d in files.items()] + [f"{info}/RECORD,,"]) + "\n"
     files[f"{info}/RECORD"] = record.encode()
     path = folder / f"{norm}-{version}-py3-none-any.whl"

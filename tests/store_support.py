@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from cachegraft_cli.store import PassageRow
+from cachegraft_cli.store import CacheStore, PassageRow
 from cachegraft_cli.store.codecs import from_bf16_words, to_bf16_words
 
 GEOMETRY = {"layers": 3, "kv_heads": 2, "head_dim": 8}
@@ -27,6 +27,11 @@ def identity(codec: str = "bf16", geometry: dict | None = None, **over) -> dict:
     }
     ident.update(over)
     return ident
+
+
+def make(url, rng, codec="bf16", kinds=("fused",), **kw) -> CacheStore:
+    """A new store at `url` with the test identity and a random prefix; `kw` as `CacheStore.create`."""
+    return CacheStore.create(url, identity(codec), prefix(rng), kinds=kinds, **kw)
 
 
 def bf16_cache(rng, tokens: int, shape=TOKEN_SHAPE, scale: float = 1.0) -> np.ndarray:
@@ -56,6 +61,16 @@ def fill(store, rng, ids, lengths=(5, 40), kinds=("fused",), run_info=None) -> d
     return data
 
 
+def add_passages(url: str, ids, tokens: int = 20, seed: int = 7, run_info: dict | None = None) -> None:
+    """Open the store at `url` and add passages `ids`, `tokens` tokens each, in one writer session
+    (what a child process does in the kill tests)."""
+    store = CacheStore.open(url)
+    rng = np.random.default_rng(seed)
+    with store.writer(run_info) as w:
+        for i in ids:
+            w.add(row(i), {"fused": bf16_cache(rng, tokens)})
+
+
 def memory_url() -> str:
     return f"memory://cg-{uuid.uuid4().hex[:10]}/store"
 
@@ -78,3 +93,25 @@ def flip_bytes(store, path: str, at: int, n: int = 8) -> None:
     for j in range(at, at + n):
         data[j] ^= 0xFF
     fs.pipe_file(path, bytes(data))
+
+
+def fingerprint(store) -> list:
+    """Every row in manifest order, superseded ones too: (id, content hash, tokens, checksums of every
+    kind/part). Compaction must not change any of it."""
+    from cachegraft_cli.store import segments
+
+    tables = segments.load_tables(store.loc, [s["name"] for s in store.segments], store.rows_file)
+    return [(pid, t.content_hash(i), int(t.tokens[i]), {k: t.checksum(i, k) for k in store.kinds})
+            for t in tables for i, pid in enumerate(t.ids)]
+
+
+def decoded(store) -> dict:
+    """id -> decoded fused cache of every current passage."""
+    ids = sorted(store.ids())
+    return dict(zip(ids, store.read(ids)))
+
+
+def same_caches(store, caches: dict) -> bool:
+    """Whether the store holds exactly the passages of `caches` (id -> array), bit for bit."""
+    ids = sorted(caches)
+    return sorted(store.ids()) == ids and all(np.array_equal(a, caches[i]) for i, a in zip(ids, store.read(ids)))

@@ -16,6 +16,7 @@ from paths import PACKAGE
 # Lowest floor first. A component is a root module or a subpackage.
 FLOORS = [
     "errors",
+    "checks",
     "config",
     "progress",
     "corpus",

@@ -4,6 +4,7 @@ skipped when absent."""
 import json
 
 import pytest
+from paths import SAMPLE_DATA
 from real_models import real_model, reason
 
 RECEIVER = real_model("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")
@@ -11,8 +12,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not RECEIVER, reason=reason("CACHEGRAFT_TEST_RECEIVER", "qwen2.5-coder-0.5b-instruct")),
 ]
-from paths import SAMPLE_DATA
-
 SAMPLE = SAMPLE_DATA / "corpus.jsonl"
 
 
@@ -32,6 +31,7 @@ def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
     build_store_index(url)
     asker = Asker(url, session=session)
     question = "Who led the peat cutters that founded Harrowmere?"
-    answers = {s: asker.ask(question, AskOptions(s, 1, generation=GenerationConfig(12)))["answer"] for s in ("graft", "text")}
+    answers = {s: asker.ask(question, AskOptions(s, 1, generation=GenerationConfig(12)))["answer"]
+               for s in ("graft", "text")}
     assert "Odile Varran" in answers["graft"], json.dumps(answers)
     assert answers["graft"] == answers["text"]

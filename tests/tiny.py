@@ -83,7 +83,7 @@ def _scale_up(model) -> None:
     import torch
 
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(6.0)
 
@@ -112,3 +112,18 @@ def build_all(root: Path) -> dict[str, Path]:
         tok.save_pretrained(d)
         dirs[role] = d
     return dirs
+
+
+def open_fuser(receiver, sharer, seed: int = 0, width: int = 32, **spec):
+    """A random fuser from `sharer` into `receiver` (loaded models) with its hard gates open, so
+    fusion is not the identity; `width` is its hidden and intermediate size, `spec` other
+    `Fuser.create` options (`sharer_input="zero"`: the adapter control). In eval mode."""
+    import torch
+
+    from cachegraft_cli.fuser.fuser import Fuser
+
+    torch.manual_seed(seed)
+    fuser = Fuser.create(receiver.spec, sharer.spec, receiver.geometry, sharer.geometry, hidden_dim=width,
+                         intermediate_dim=width, **spec)
+    fuser.set_gates(1.0)  # positive logits: hard gates open
+    return fuser.eval()

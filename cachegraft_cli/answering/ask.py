@@ -93,11 +93,66 @@ class Asker:
         t0 = time.perf_counter()
         hits = self.retrieve(question, options.k) if options.system != "closed" else []
         t_retrieve = time.perf_counter()
-        lm, prompt = self._prompt(question, hits, options)
+        lm, prompt = self.build_prompt(question, hits, options)
         t_load = time.perf_counter()
         gen = generate(lm, prompt, options.generation, on_text, t0)
         timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
         return _result(question, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings)
+
+    def check_fits(self, questions: list[str], options: AskOptions) -> None:
+        """Refuse a question whose prompt would reach past the model's context window, before any
+        model loads: the window from the model's config.json, the stored passages' lengths from the
+        store's rows, the prompt's other tokens from the tokenizer alone. A bound from the store's
+        metadata alone comes first, so a plain overflow (`--max-new-tokens 100000`) is refused
+        without even the tokenizer. The loaded model is checked again when the prompt is built
+        (`_check_context`). A question that retrieves nothing is checked without passages (a lower
+        bound) and left to fail when it is answered."""
+        from cachegraft_cli.lm.models import configured_window
+
+        spec = self.session.choice.sharer if options.system == "sharer-text" else self.session.choice.receiver
+        window = configured_window(spec) if spec else None
+        if spec is None or window is None:  # no sharer named: `sharer-text` says so when it loads
+            return
+        closed = options.system == "closed"
+        hit_lists = [[] for _ in questions] if closed else self.index.search_many(questions, options.k)
+        new_tokens = options.generation.max_new_tokens
+        if options.system != "sharer-text":  # the store's rows count the receiver's tokens only
+            for hits in hit_lists:
+                check_window(spec, window, self.least_end(hits, options), new_tokens, at_least=True)
+        template = self.planned_template(options.system)
+        for question, hits in zip(questions, hit_lists):
+            check_window(spec, window, self.planned_end(question, hits, options, template), new_tokens)
+
+    def planned_template(self, system: str):
+        """The prompt template of the model answering `system`, built from its tokenizer alone."""
+        if system != "sharer-text":
+            return self.session.template
+        from cachegraft_cli.lm.models import load_tokenizer
+        from cachegraft_cli.lm.template import PromptTemplate
+
+        choice = self.session.choice
+        tokenizer = load_tokenizer(choice.sharer or "", trust_remote_code=choice.trust_remote_code)
+        return PromptTemplate.for_tokenizer(tokenizer, choice.instruction)
+
+    def least_end(self, hits, options: AskOptions) -> int:
+        """A lower bound of `planned_end` from the store's metadata alone: the prefix, the stored
+        passages' lengths (stored-cache systems; text re-tokenizes them) and one question token."""
+        prefix = len(self.store.prefix_token_ids)
+        if options.system not in CACHE_KIND or not hits:
+            return prefix + 1
+        lengths = [r.tokens for r in self.store.get_rows([h.id for h in hits])]
+        return prefix + (max(lengths) if options.scheme == "shared" else sum(lengths)) + 1
+
+    def planned_end(self, question: str, hits, options: AskOptions, template) -> int:
+        """The position after the prompt's last token, as `build_prompt` builds it (`Layout`)."""
+        rows = self.store.get_rows([h.id for h in in_prompt_order(hits, options.order)])
+        question_tokens = len(template.question_ids(question))
+        if options.system not in CACHE_KIND:
+            passages = sum(len(template.passage_ids(r.title, r.text)) for r in rows)
+            return len(template.prefix_ids()) + passages + question_tokens
+        lengths = [r.tokens for r in rows]
+        shared = options.scheme == "shared" and lengths
+        return len(self.store.prefix_token_ids) + (max(lengths) if shared else sum(lengths)) + question_tokens
 
     def retrieve(self, question: str, k: int):
         hits = self.index.search(question, k)
@@ -109,7 +164,7 @@ class Asker:
             )
         return hits
 
-    def _prompt(self, question: str, hits, options: AskOptions) -> tuple[object, Prompt]:
+    def build_prompt(self, question: str, hits, options: AskOptions) -> tuple[object, Prompt]:
         """(model, prompt) for one question; `hits` in retrieval rank order."""
         ids = [h.id for h in in_prompt_order(hits, options.order)]
         if options.system in CACHE_KIND:
@@ -141,7 +196,7 @@ class Asker:
             prompts, loads = [], []
             for q, hits in zip(chunk, hit_lists):
                 start = time.perf_counter()
-                prompts.append(self._prompt(q, hits, options))
+                prompts.append(self.build_prompt(q, hits, options))
                 loads.append(time.perf_counter() - start)
             t_load = time.perf_counter()
             gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation)
@@ -210,11 +265,18 @@ def _check_context(lm, prompt: Prompt, max_new_tokens: int) -> None:
     from cachegraft_cli.lm.models import context_window
 
     window = context_window(lm)
-    need = prompt.end_position + max_new_tokens
-    if window is not None and need > window:
+    if window is not None:
+        check_window(lm.spec, window, prompt.end_position, max_new_tokens)
+
+
+def check_window(spec: str, window: int, end_position: int, max_new_tokens: int, at_least: bool = False) -> None:
+    """`at_least`: `end_position` is a lower bound (the message says "or more")."""
+    need = end_position + max_new_tokens
+    more = " or more" if at_least else ""
+    if need > window:
         raise UsageError(
-            f"The prompt reaches position {prompt.end_position} and --max-new-tokens adds {max_new_tokens}: "
-            f"{need} positions, but {lm.spec} has a context window of {window}.",
+            f"The prompt reaches position {end_position}{more} and --max-new-tokens adds {max_new_tokens}: "
+            f"{need}{more} positions, but {spec} has a context window of {window}.",
             "Lower -k (fewer passages) or --max-new-tokens.",
         )
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from cachegraft_cli.errors import UsageError
+from cachegraft_cli.checks import number, one_of, whole
 
 if TYPE_CHECKING:  # torch is imported where it is used: `cachegraft --help` reads the defaults here
     import torch
@@ -43,7 +43,8 @@ DEFAULT_ORDER = "best-last"
 DEFAULT_SCHEME = "rotate"
 # Off by default: re-reading 16 boundary tokens of each later passage costs the question's forward
 # 3-4x its tokens, and at k=5 text/graft time to first token fell from 8.4x to 4.8x, under the 6x
-# floor (benchmarks/p1_ttft.py, docs/results.md). `--recompute 16` is the measured quality opt-in.
+# floor (benchmarks/p1_ttft.py, docs/results.md). It also did not help the default best-last order
+# (42 -> 40 EM on squad at k=5); it helped a retrieval-order prompt (17 -> 21 EM).
 DEFAULT_RECOMPUTE = 0
 
 
@@ -56,18 +57,11 @@ class AssemblyOptions:
     blend_layer: int = 1
 
     def check(self) -> None:
-        if self.order not in ORDERS:
-            raise UsageError(f"Unknown passage order {self.order!r}.", f"Choose one of: {', '.join(ORDERS)}.")
-        if self.scheme not in SCHEMES:
-            raise UsageError(f"Unknown position scheme {self.scheme!r}.", f"Choose one of: {', '.join(SCHEMES)}.")
-        if self.recompute < 0:
-            raise UsageError(
-                f"Recompute takes a token count >= 0, got {self.recompute}.", "Use e.g. 16, or 0 for none."
-            )
-        if not 0.0 <= self.blend <= 1.0:
-            raise UsageError(f"Blend takes a fraction in [0, 1], got {self.blend}.", "Use e.g. 0.15, or 0 for none.")
-        if self.blend_layer < 0:
-            raise UsageError(f"The blend layer must be >= 0, got {self.blend_layer}.", "Use e.g. 1.")
+        one_of("passage order", self.order, ORDERS)
+        one_of("position scheme", self.scheme, SCHEMES)
+        whole("recompute (--recompute)", self.recompute, 0)
+        number("blend (--blend)", self.blend, 0.0, 1.0)
+        whole("blend_layer (--blend-layer)", self.blend_layer, 0)
 
     def as_dict(self) -> dict:
         return {

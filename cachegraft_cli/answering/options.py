@@ -1,5 +1,6 @@
 """What one question is answered with: the system, k, the passage assembly and the decoding.
-Built and checked before any model loads (no torch here)."""
+Built and checked before any model loads (no torch here). The API and the CLI check their
+arguments here, so a mistake gets the same message from either."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from dataclasses import dataclass, field
 
 from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE, DEFAULT_SCHEME, AssemblyOptions
 from cachegraft_cli.answering.systems import check_name
-from cachegraft_cli.errors import UsageError
+from cachegraft_cli.checks import instance, one_of, whole
 from cachegraft_cli.lm.sampling import GenerationConfig
+
+MAX_QUESTION_BATCH = 4096  # questions decoded together; more only pads memory
+INDEX_KINDS = ("bm25", "dense", "hybrid")
 
 
 @dataclass
@@ -26,8 +30,21 @@ class AskOptions:
     def assembly(self) -> AssemblyOptions:
         return AssemblyOptions(self.order, self.scheme, self.recompute, self.blend, self.blend_layer)
 
-    def check(self) -> None:
+    def check(self) -> AskOptions:
         check_name(self.system)
-        if self.k < 1:
-            raise UsageError(f"-k must be at least 1, got {self.k}.", "Use e.g. -k 3.")
+        whole("k (-k)", self.k, 1)
         self.assembly.check()
+        instance("generation", self.generation, GenerationConfig, "Build one with cg.GenerationConfig(...), or pass "
+                 "max_new_tokens, temperature, top_p and seed as keyword arguments.")
+        self.generation.check()
+        return self
+
+
+def check_batch_size(batch_size) -> int:
+    """Questions decoded together (`ask --batch-size`, `ask_many(batch_size=)`)."""
+    return whole("batch_size (--batch-size)", batch_size, 1, MAX_QUESTION_BATCH)
+
+
+def check_index_kind(kind) -> str | None:
+    """Which half of a hybrid index to search (None: the index's own kind)."""
+    return None if kind is None else one_of("index_kind (--index-kind)", kind, INDEX_KINDS)

@@ -3,6 +3,7 @@ store, which read only the store's metadata, so they run before any model loads.
 
 from __future__ import annotations
 
+from cachegraft_cli.checks import one_of, text
 from cachegraft_cli.errors import UsageError
 
 # One definition, in help order: the systems answering from stored caches, then the baselines.
@@ -13,8 +14,7 @@ ADAPTER_FUSER = "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter"  # th
 
 
 def check_name(system: str) -> None:
-    if system not in SYSTEMS:
-        raise UsageError(f"Unknown system {system!r}.", f"Choose one of: {', '.join(SYSTEMS)}.")
+    one_of("system", system, SYSTEMS)
 
 
 def check_system(store, system: str) -> None:
@@ -39,6 +39,8 @@ def check_system(store, system: str) -> None:
         )
 
 
-def check_question(question: str) -> None:
-    if not question.strip():
+def check_question(question: str) -> str:
+    """A question is a string with words in it (None, a number or blanks are refused)."""
+    if isinstance(question, str) and not question.strip():
         raise UsageError("The question is empty.", "Pass a question, e.g. cachegraft ask \"Who founded the town?\".")
+    return text("question", question, example='"Who founded the town?"')

@@ -42,10 +42,10 @@ def ask(
     ] = None,
     index_kind: Annotated[Optional[str], typer.Option(help="Search a hybrid index as bm25 or dense.")] = None,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", "-b", min=1, max=4096, help="Batch mode: questions decoded together.")
+        int, typer.Option("--batch-size", "-b", help="Batch mode: questions decoded together (1 to 4096).")
     ] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit in tokens.")] = 48,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens (at least 1).")] = 48,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; otherwise at least 0.001.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     show_passages: Annotated[bool, typer.Option(help="Print the retrieved sources after the answer.")] = False,
     sharer: SharerOpt = None,
@@ -55,6 +55,7 @@ def ask(
     json_out: JsonOpt = False,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
+    from cachegraft_cli.answering.options import check_batch_size, check_index_kind
     from cachegraft_cli.answering.questions import read_questions
     from cachegraft_cli.answering.systems import check_question
     from cachegraft_cli.api import Store, ask_options
@@ -64,19 +65,22 @@ def ask(
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
-    # Everything that can be checked is checked before any model loads: options, the questions
-    # file, the model choices, the store and its index.
+    # Everything that can be checked is checked before any model loads: options (by the same
+    # checks as the API's), the questions file, the model choices, the store, its index and
+    # whether each prompt fits the model's context window.
+    options = ask_options(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
+                          blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    check_batch_size(batch_size)
+    check_index_kind(index_kind)
     items = read_questions(questions) if questions is not None else []
     if question is not None:
         check_question(question)
-    options = ask_options(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
-                          blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    _check_index_kind(index_kind)
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
     graft.check(system)
     _note_closed_fuser(graft, system)
     _note_coverage(graft, system, store)
+    graft.asker.check_fits([q for _, q in items] if question is None else [question], options)
     batch = questions is not None
     with showing_status(json_out or batch):
         graft.warm(system)
@@ -87,14 +91,6 @@ def ask(
     stream = sys.stdout.isatty() and not json_out
     answer = graft.ask(question, options, on_text=_echo if stream else None)
     _print(answer.as_dict(), json_out, stream, show_passages)
-
-
-def _check_index_kind(kind: str | None) -> None:
-    from cachegraft_cli.errors import UsageError
-
-    if kind is not None and kind not in ("bm25", "dense", "hybrid"):
-        raise UsageError(f"unknown --index-kind {kind!r}.",
-                         "Use bm25 or dense (to search one half of a hybrid index), or leave it out.")
 
 
 def _note_coverage(graft, system: str, store: str) -> None:

@@ -39,7 +39,7 @@ def encode(
         help="How --keep chooses tokens: attention (received at the receiver's last layers), norm or even.")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
-        int, typer.Option(min=16, help="Longer passages are split into chunks (never truncated).")
+        int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")
     ] = 512,
     also_own_cache: Annotated[
         bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")
@@ -52,7 +52,7 @@ def encode(
     text_field: Annotated[str, typer.Option(help="Column/field holding the passage text.")] = "text",
     title_field: Annotated[str, typer.Option(help="Column/field holding the title.")] = "title",
     commit_every: Annotated[
-        int, typer.Option(min=1, help="Passages per committed segment (bounds work lost to a crash).")
+        int, typer.Option(help="Passages per committed segment (bounds work lost to a crash; at least 1).")
     ] = 2000,
     instruction: InstructionOpt = None,
     device: DeviceOpt = None,

@@ -23,7 +23,7 @@ def index(
     json_out: JsonOpt = False,
 ) -> None:
     """Build or update the retrieval index stored with a store."""
-    from cachegraft_cli.api import index_store
+    from cachegraft_cli.api import index as index_store
     from cachegraft_cli.cli.output import showing_status
 
     with showing_status(json_out):  # a dense or hybrid index loads its embedder

@@ -40,6 +40,7 @@ def _preset_row(preset) -> dict:
         "name": preset.name,
         **specs,
         "fuser": preset.fuser,
+        "adapter_fuser": preset.adapter_fuser,
         "description": preset.description,
         "needs_pull": bool(pulled),
         "pulled": all(pulled.values()) if pulled else None,
@@ -71,6 +72,8 @@ def _print_table(presets: list[dict], models: list[dict]) -> None:
     for row in presets:
         typer.echo(f"  {row['name']}{_pull_state(row)}\n      {row['description']}")
         typer.echo(f"      receiver {row['receiver']}\n      sharer   {row['sharer']}\n      fuser    {row['fuser']}")
+        if row.get("adapter_fuser"):
+            typer.echo(f"      adapter  {row['adapter_fuser']}  (the receiver-only control: --systems adapter)")
     typer.echo("\nPullable models (cachegraft models pull NAME):")
     for row in models:
         typer.echo(f"  {row['name']:30} {'pulled' if row['pulled'] else 'not pulled':10}  {row['licence']}")

@@ -24,9 +24,9 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, c
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default: by device).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own code.")]
 BatchOpt = Annotated[
-    int, typer.Option("--batch-size", "-b", min=1, max=4096, help="Passages or questions per forward pass.")
+    int, typer.Option("--batch-size", "-b", help="Passages or questions per forward pass (1 to 4096).")
 ]
-TopKOpt = Annotated[int, typer.Option("-k", "--top-k", min=1, help="Passages to retrieve.")]
+TopKOpt = Annotated[int, typer.Option("-k", "--top-k", help="Passages to retrieve (at least 1).")]
 OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 InstructionOpt = Annotated[
     Optional[str],
@@ -39,16 +39,16 @@ OrderOpt = Annotated[
 ]
 RecomputeOpt = Annotated[
     int,
-    typer.Option("--recompute", min=0, help="Stored caches: re-read the first N tokens of each later passage in "
+    typer.Option("--recompute", help="Stored caches: re-read the first N tokens of each later passage in "
                                             "context (0: off)."),
 ]
 BlendOpt = Annotated[
     float,
-    typer.Option("--blend", min=0.0, max=1.0,
+    typer.Option("--blend",
                  help="Stored caches: also recompute this share of the other passage tokens, those whose KV "
-                      "deviates most (CacheBlend; costs a forward)."),
+                      "deviates most (CacheBlend; costs a forward; 0 to 1)."),
 ]
 BlendLayerOpt = Annotated[
-    int, typer.Option("--blend-layer", min=0, help="Layer whose KV deviation picks the --blend tokens.")
+    int, typer.Option("--blend-layer", help="Layer whose KV deviation picks the --blend tokens.")
 ]
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="Position scheme for stored caches: rotate or shared.")]

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from cachegraft_cli.checks import flag, one_of, whole
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
@@ -32,12 +33,13 @@ class EncodeOptions:
         from cachegraft_cli.encoding.keep import KEEP_METHODS
         from cachegraft_cli.store.codecs import CODECS
 
-        # checked here, before any model loads (tens of seconds)
-        if self.codec is not None and self.codec not in CODECS:
-            raise UsageError(f"unknown cache codec {self.codec!r}.", f"Use one of: {', '.join(CODECS)}.")
-        _check_range("batch size", self.batch_size, 1, MAX_BATCH_SIZE)
-        _check_range("max passage tokens", self.max_passage_tokens, 16, 1 << 20)
-        _check_range("commit every", self.commit_every, 1, 1 << 30)
+        # checked here, before any model loads (tens of seconds); the CLI's options come through here too
+        if self.codec is not None:
+            one_of("cache codec", self.codec, CODECS)
+        whole("batch_size (--batch-size)", self.batch_size, 1, MAX_BATCH_SIZE)
+        whole("max_passage_tokens (--max-passage-tokens)", self.max_passage_tokens, 16, 1 << 20)
+        flag("also_own_cache (--also-own-cache)", self.also_own_cache)
+        whole("commit_every (--commit-every)", self.commit_every, 1, 1 << 30)
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, (int, float))
                                       or not 0 < self.keep <= 1):
             raise UsageError(f"keep must be a share of tokens above 0 and at most 1; got {self.keep!r}.",
@@ -66,12 +68,6 @@ class EncodeOptions:
 
         return replace(self, keep=1.0, keep_by=None) if keep is None else replace(self, keep=keep["ratio"],
                                                                                     keep_by=keep["by"])
-
-
-def _check_range(what: str, value, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise UsageError(f"{what} must be a whole number from {low} to {high:,}; got {value!r}.",
-                         f"Pass a value from {low} to {high:,}.")
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """System labels with assembly overrides: `SYSTEM[@key=value]...`.
 
 One evaluation can answer the same system under several assemblies, e.g.
-`text@order=retrieval` next to `text` (the run's order), or an ablation
-`graft@recompute=0@order=retrieval`. Store keys answer from another store of
-the same corpus: `graft@keep=0.5` (a pruned store), `graft@codec=int4`,
-`graft@keep=0.5@keep_by=even`; each such store is encoded once and reused. The
-label is what answers, scores and comparisons are keyed by; the base system
-and the overrides are what the answerer runs.
+`text@order=retrieval` next to `text` (the run's order), or
+`graft@recompute=16@order=retrieval` next to the default `graft`. Store keys
+answer from another store of the same corpus: `graft@keep=0.5` (a pruned
+store), `graft@codec=int4`, `graft@keep=0.5@keep_by=even`; each such store is
+encoded once and reused. The label is what answers, scores and comparisons are
+keyed by; the base system and the overrides are what the answerer runs.
 """
 
 from __future__ import annotations

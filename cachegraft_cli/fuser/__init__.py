@@ -24,7 +24,7 @@ def load_fuser(spec: str | None):
 
 def place_fuser(fuser, device):
     """Move a fuser to the receiver's device, in float32 on CPUs without fast bf16
-    (about 3x faster there than emulated bf16); elsewhere it keeps its own dtype."""
+    (bf16 is emulated there, and many times slower); elsewhere it keeps its own dtype."""
     import torch
 
     from cachegraft_cli.lm.models import cpu_has_fast_bf16

@@ -99,12 +99,12 @@ class PassageFusion:
         if role == "receiver":
             return extend(self.receiver, self._receiver_prefix, passages)
         if self.sharer is None or self._sharer_prefix is None:
-            raise ValueError("this engine runs no sharer (closed fuser or adapter)")
+            raise ValueError("this fusion runs no sharer (closed fuser or adapter)")
         return extend(self.sharer, self._sharer_prefix, [self._sharer_ids(p) for p in passages])
 
     def _sharer_ids(self, ids: list[int]) -> list[int]:
         if self.aligner is None:
-            raise ValueError("this engine runs no sharer (closed fuser or adapter)")
+            raise ValueError("this fusion runs no sharer (closed fuser or adapter)")
         return self.aligner.align(ids)
 
 

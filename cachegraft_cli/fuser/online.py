@@ -3,8 +3,9 @@
 Each section is read by the receiver with its running cache; the sharer reads
 the same sections at the same positions. After a *fused* section, the
 receiver's cache slice for that section is overwritten by the fuser output.
-Later sections (and generation) attend to the fused slice. Used by exactness
-tests and by the evaluation's online comparison.
+Later sections (and generation) attend to the fused slice. This is the reference
+the exactness tests hold stored caches to (a stored fused cache read back must
+give what running C2C online gives); nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def generate(
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     t_first = None
     for _ in range(config.max_new_tokens):
-        token = _pick(logits, config, rng)
+        token = pick_token(logits, config, rng)
         t_first = t_first or time.perf_counter()
         if token in stops:
             break
@@ -186,7 +186,7 @@ class _Stepper:
         return out.logits[0, -1].float()
 
 
-def _pick(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
+def pick_token(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
     if config.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / config.temperature, dim=-1)
@@ -247,7 +247,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[l
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     for n in range(config.max_new_tokens):
-        tokens = [_pick(row_logits, config, rng) for row_logits in logits]
+        tokens = [pick_token(row_logits, config, rng) for row_logits in logits]
         for i, t in enumerate(tokens):
             done[i] = done[i] or t in stops
             if not done[i]:

@@ -121,6 +121,7 @@ def resolve_source(spec: str) -> tuple[str, str | None, str]:
             raise ModelLoadError(f"GGUF file {path} does not exist.", "Check the path.")
         return str(path.parent), path.name, "gguf"
     if path.is_dir():
+        check_weight_format(path)
         return str(path), None, "local"
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return spec, None, "hub"
@@ -128,6 +129,25 @@ def resolve_source(spec: str) -> tuple[str, str | None, str]:
 
 
 _SPEC_HINT = "Give a hub id (org/name), a local model directory, a .gguf file, or pulled:<name>."
+# Weights that only a pickle loader reads (torch.load can run code from them); transformers
+# would fall back to them when a directory has no safetensors.
+_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def check_weight_format(path: Path) -> None:
+    """Refuse a model directory whose weights are only pickles, before anything loads: they are
+    never unpickled here, and torch's own refusal would suggest `weights_only=False`, which would
+    run whatever code the file holds."""
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in _PICKLE_WEIGHTS for p in path.glob(pattern))
+    if pickles:
+        raise ModelLoadError(
+            f"Model directory {path} holds its weights as a pickle ({', '.join(pickles[:3])}), not safetensors; "
+            "cachegraft loads model weights only from safetensors files.",
+            "Convert it once, where you trust the file: load it with transformers and call "
+            "save_pretrained(DIR, safe_serialization=True), then point at DIR; or use a safetensors copy "
+            "of the model (most hub repos ship one).")
 
 
 def load_causal_lm(
@@ -254,6 +274,30 @@ def _weights_header(file: Path) -> bytes:
             size = int.from_bytes(f.read(8), "little")
             return f.read(min(size, 1 << 24))
         return f.read(1 << 20) + str(file.stat().st_size).encode()
+
+
+def configured_window(spec: str) -> int | None:
+    """The context window a model's config.json declares, read without loading the model
+    (None where there is no config to read here: a .gguf file, a hub model not cached locally)."""
+    source, gguf, kind = resolve_source(spec)
+    if gguf:
+        return None
+    path: Path | None = Path(source) / "config.json"
+    if kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, "config.json")
+        path = Path(found) if isinstance(found, str) else None
+    try:
+        config = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    nested = config.get("text_config")
+    text = nested if isinstance(nested, dict) else config  # as `get_text_config` picks it
+    window = text.get("max_position_embeddings")
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def context_window(lm: LoadedModel) -> int | None:

@@ -1,12 +1,12 @@
 """float32 linear layers through oneDNN on CPU.
 
-torch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On the 2-core AMD EPYC
-(AVX2) CacheGraft is measured on, oneDNN's linear is 1.1-1.7x faster for large
-layers (the 0.5B receiver's 896x4864 MLP: 1.6x at 1 row, 1.3x at 21, 1.1x at
-700) and slower for small ones (its 896x128 K/V projections: a fixed ~0.1 ms
-per call), so only layers of at least `MIN_WEIGHTS` weights are routed. The
-receiver's forward over a 21-token question got 1.45x faster, over a 700-token
-prompt 1.2x (`benchmarks/linear_kernels.py`). Results differ from MKL's by
+torch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On a 2-core AMD EPYC with
+AVX2 only (2026-11-30, idle), oneDNN's linear was 1.1-1.7x faster for large layers
+(the 0.5B receiver's 896x4864 MLP: 1.6x at 1 row, 1.3x at 21, 1.1x at 700) and
+slower for small ones (its 896x128 K/V projections: a fixed ~0.1 ms per call), so
+only layers of at least `MIN_WEIGHTS` weights are routed. The receiver's forward
+over a 21-token question got 1.30x faster, over a 700-token prompt 1.09x
+(`benchmarks/linear_kernels.py`, docs/results.md). Results differ from MKL's by
 float32 rounding only (max logit difference 8e-5 on a 21-token forward; same
 argmax).
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachegraft_cli.checks import number, optional_whole, probability, whole
+from cachegraft_cli.errors import UsageError
+
+# Below this a float32 softmax of logits / temperature can overflow to inf and sample NaNs.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+
 
 @dataclass
 class GenerationConfig:
@@ -12,3 +19,14 @@ class GenerationConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+
+    def check(self) -> GenerationConfig:
+        """Refuse a setting decoding cannot use (the API and the CLI share these messages)."""
+        whole("max_new_tokens (--max-new-tokens)", self.max_new_tokens, 1)
+        number("temperature (--temperature)", self.temperature, 0.0)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise UsageError(f"temperature (--temperature) must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; "
+                             f"got {self.temperature!r}.", "Pass 0 for greedy decoding, or e.g. 0.7 to sample.")
+        probability("top_p", self.top_p)
+        optional_whole("seed (--seed)", self.seed, 0, MAX_SEED)
+        return self

@@ -11,7 +11,7 @@ copying them and what a killed builder left is found by the next one.
 
 Publishing (`publish`): the index is saved into a fresh version directory
 (locally its unchanged engine files are hard links to the current version's,
-through the work copy `indexes/files.py` makes; on object stores they are
+through the work copy `engines/files.py` makes; on object stores they are
 copied server-side from the current version instead of uploaded again), then
 CURRENT is replaced (temp file + fsync + rename locally, one whole-object put
 on object stores), and only then are other versions, work directories and

@@ -100,7 +100,7 @@ def _store_of(path: str) -> str:
     """The store directory for hints: the parent of an `index` folder."""
     from cachegraft_cli.retrieval.directory import unversioned
 
-    trimmed = unversioned(path)  # a version directory of the index (`indexdir`)
+    trimmed = unversioned(path)  # a version directory of the index (`directory.py`)
     return trimmed.rsplit("/", 1)[0] if trimmed.endswith("/index") else trimmed
 
 

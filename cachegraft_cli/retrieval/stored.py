@@ -1,8 +1,8 @@
 """The retrieval index of a store: where it lives, building it, opening it.
 
 The index is kept in `<store>/index/` (any URL the store has; see
-`indexes/files.py` for remote ones), replaced atomically as a new version
-(`indexdir`), and records the segments it covers. An index of an older state
+`engines/files.py` for remote ones), replaced atomically as a new version
+(`directory.py`), and records the segments it covers. An index of an older state
 of the store (the store has grown since) is used for what it covers, and
 `coverage_note` says how much that is; an index of another passage set is
 refused.
@@ -43,7 +43,7 @@ def build_store_index(store_url: str, kind: str = "bm25", embedder: str | None =
     """Build the index, or bring an existing one of the same kind (and engines,
     when named) up to date (only passages added since are tokenised / embedded).
     One builder at a time: the index lock is held from reading the current index
-    to publishing the new version (`indexdir`)."""
+    to publishing the new version (`directory.py`)."""
     from cachegraft_cli.errors import UsageError
     from cachegraft_cli.retrieval.directory import building, publish, work_near
     from cachegraft_cli.retrieval.index import KINDS, build_index, resolve_engines

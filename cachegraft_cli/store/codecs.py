@@ -188,7 +188,7 @@ class Int4Codec(Codec):
     `zero_point` (new stores): asymmetric, 16 levels, x = zero + q * scale. Without it
     (stores written before zero points, whose codec_params lack the key): symmetric,
     levels -7..7, x = q * scale. The zero point pays for itself: on real Qwen caches it
-    cuts the relative RMS error of keys by ~60% and of values by ~20-35%
+    cuts the relative RMS error of keys by ~60% and of values by ~22-27%
     (benchmarks/int4_error_study.py, docs/results.md).
     """
 

@@ -141,7 +141,7 @@ def is_held(loc: Location, name: str = LOCK) -> bool:
     import fcntl
 
     try:  # read-only: a reader of a read-only store must not need write access to ask this
-        fh = open(loc.path(name), "rb")  # noqa: SIM115 - closed by the `with` below
+        fh = open(loc.path(name), "rb")  # closed by the `with` below
     except OSError:
         return False  # no lock file (nobody ever wrote here), or unreadable
     with fh:

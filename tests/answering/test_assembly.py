@@ -6,9 +6,9 @@ while decoding; batched decoding equals one prompt at a time."""
 
 import pytest
 import torch
+from tiny import open_fuser
 
 from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions, Layout, in_prompt_order, visibility
-from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate, generate_batch, prompt_logits
@@ -28,10 +28,7 @@ def _setup(tiny_models, fused: bool, sharer_role: str = "sharer_same"):
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
     fuser = None
     if fused:
-        torch.manual_seed(3)
-        fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-        fuser.set_gates(1.0)
-        fuser.eval()
+        fuser = open_fuser(r, s, seed=3)
     engine = PassageFusion(r, tpl.prefix_ids(), s if fused else None, fuser)
     ids = [tpl.passage_ids(t, x) for t, x in PASSAGES]
     kvs = engine.fuse(ids)

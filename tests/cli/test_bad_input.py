@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import shutil
 import sys
 import time
@@ -19,8 +20,9 @@ from faults import record
 
 from cachegraft_cli.cli.app import main
 
+SQUAD_QA = {"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}
 SQUAD_OK = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820.",
-                                                         "qas": [{"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}]}]}]}
+                                                         "qas": [SQUAD_QA]}]}]}
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def _files(w: Path) -> None:
     put("q-malformed.jsonl", '{"question": "ok?"}\n{"question": \n')
     put("q-empty.jsonl", "\n\n")
     put("q-blank.jsonl", json.dumps({"question": "   "}) + "\n")
+    put("q-harbor.jsonl", json.dumps({"question": "When was Harbor town founded?"}) + "\n")
     put("squad-ok.json", json.dumps(SQUAD_OK))
     bad = json.loads(json.dumps(SQUAD_OK))
     bad["data"][0]["paragraphs"][0]["qas"][0]["answers"] = "1820"
@@ -96,11 +99,24 @@ def workspace(tiny_dirs, tmp_path_factory):
     build_store_index(str(w / "store"))
     shutil.copytree(w / "store", w / "nomanifest")
     (w / "nomanifest" / "manifest.json").unlink()
+    _pickled_receiver(w, tiny_dirs["receiver"])
     return {"w": w, "receiver": str(tiny_dirs["receiver"])}
 
 
-def _enc(corpus: str, *extra, store: str = "new-store"):
-    return lambda c: ["encode", c["w"] / corpus, "--store", c["w"] / store, "--receiver", c["receiver"], *extra]
+def _pickled_receiver(w: Path, receiver: Path) -> None:
+    """A copy of the receiver whose weights are a pickle (never loaded: it would run code), and a
+    store recording that copy as its receiver."""
+    shutil.copytree(receiver, w / "pickle-receiver", ignore=shutil.ignore_patterns("*.safetensors"))
+    (w / "pickle-receiver" / "pytorch_model.bin").write_bytes(pickle.dumps({"weights": "pickled"}))
+    shutil.copytree(w / "store", w / "pickled-store")
+    identity = json.loads((w / "pickled-store" / "zarr.json").read_text())
+    text = json.dumps(identity).replace(json.dumps(str(receiver))[1:-1], json.dumps(str(w / "pickle-receiver"))[1:-1])
+    (w / "pickled-store" / "zarr.json").write_text(text)
+
+
+def _enc(corpus: str, *extra, store: str = "new-store", receiver: str | None = None):
+    return lambda c: ["encode", c["w"] / corpus, "--store", c["w"] / store, "--receiver",
+                      c["w"] / receiver if receiver else c["receiver"], *extra]
 
 
 def _ask(*extra, store: str = "store"):
@@ -141,16 +157,20 @@ CASES = [
     Case("stdin-as-csv", lambda c: ["encode", "-", "--store", c["w"] / "new", "--receiver", c["receiver"], "--format",
                                     "csv"], 8, "stdin corpora are JSONL"),
     # options
-    Case("encode-codec", _enc("good.jsonl", "--codec", "int5"), 2, "unknown cache codec 'int5'"),
-    Case("encode-batch-zero", _enc("good.jsonl", "-b", "0"), 2, "'--batch-size'"),
-    Case("encode-batch-huge", _enc("good.jsonl", "-b", "1000000000"), 2, "'--batch-size'"),
-    Case("encode-max-tokens", _enc("good.jsonl", "--max-passage-tokens", "3"), 2, "'--max-passage-tokens'"),
-    Case("encode-commit-every", _enc("good.jsonl", "--commit-every", "0"), 2, "'--commit-every'"),
+    Case("encode-codec", _enc("good.jsonl", "--codec", "int5"), 2, "Unknown cache codec 'int5'"),
+    Case("encode-batch-zero", _enc("good.jsonl", "-b", "0"), 2, "batch_size (--batch-size) must be a whole number"),
+    Case("encode-batch-huge", _enc("good.jsonl", "-b", "1000000000"), 2, "from 1 to 4,096; got 1000000000"),
+    Case("encode-max-tokens", _enc("good.jsonl", "--max-passage-tokens", "3"), 2, "(--max-passage-tokens)"),
+    Case("encode-commit-every", _enc("good.jsonl", "--commit-every", "0"), 2, "(--commit-every)"),
     Case("encode-device-cuda7", _enc("good.jsonl", "--device", "cuda:7"), 2, "device 'cuda:7'"),
     Case("encode-device-bogus", _enc("good.jsonl", "--device", "gpu0"), 2, "unknown device 'gpu0'"),
     Case("encode-dtype", _enc("good.jsonl", "--dtype", "int8"), 2, "unknown dtype 'int8'"),
     Case("encode-preset", lambda c: ["encode", c["w"] / "good.jsonl", "--store", c["w"] / "n", "--preset", "nope"], 2,
          "Unknown preset 'nope'"),
+    Case("encode-receiver-pickle", _enc("good.jsonl", store="n", receiver="pickle-receiver"), 3,
+         "holds its weights as a pickle (pytorch_model.bin)"),
+    Case("ask-receiver-pickle", _ask("Harbor town?", store="pickled-store"), 3,
+         "holds its weights as a pickle (pytorch_model.bin)"),
     Case("encode-receiver-missing", lambda c: ["encode", c["w"] / "good.jsonl", "--store", c["w"] / "n", "--receiver",
                                                "./no-such-model"], 3, "'./no-such-model' is not a local directory"),
     Case("fuser-builtin-escape", _enc("good.jsonl", "--fuser", "builtin:../../fusers"), 4, "builtin:../../fusers"),
@@ -171,12 +191,26 @@ CASES = [
     Case("ask-questions-blank", _ask("-q", "{w}/q-blank.jsonl"), 2, "q-blank.jsonl:1: the question is empty"),
     Case("ask-empty-question", _ask("   "), 2, "The question is empty"),
     Case("ask-both", _ask("why?", "-q", "{w}/q-number.jsonl"), 2, "either a QUESTION or --questions"),
-    Case("ask-index-kind", _ask("why?", "--index-kind", "bogus"), 2, "--index-kind 'bogus'"),
+    Case("ask-index-kind", _ask("why?", "--index-kind", "bogus"), 2, "index_kind (--index-kind) 'bogus'"),
     Case("ask-system", _ask("why?", "--system", "oracle"), 2, "Unknown system 'oracle'"),
     Case("ask-scheme", _ask("why?", "--scheme", "spiral"), 2, "Unknown position scheme 'spiral'"),
-    Case("ask-k-zero", _ask("why?", "-k", "0"), 2, "'-k'"),
-    Case("ask-batch-huge", _ask("why?", "-b", "1000000000"), 2, "'--batch-size'"),
+    Case("ask-k-zero", _ask("why?", "-k", "0"), 2, "k (-k) must be a whole number of at least 1; got 0"),
+    Case("ask-batch-huge", _ask("why?", "-b", "1000000000"), 2, "batch_size (--batch-size)"),
     Case("ask-device", _ask("why?", "--device", "cuda:7"), 2, "device 'cuda:7'"),
+    Case("ask-max-new-tokens-zero", _ask("why?", "--max-new-tokens", "0"), 2, "max_new_tokens (--max-new-tokens)"),
+    Case("ask-temperature-negative", _ask("why?", "--temperature", "-1"), 2, "temperature (--temperature)"),
+    Case("ask-temperature-tiny", _ask("why?", "--temperature", "1e-9"), 2, "0 (greedy) or at least 0.001"),
+    Case("ask-seed-negative", _ask("why?", "--seed", "-1"), 2, "seed (--seed)"),
+    Case("ask-recompute-negative", _ask("why?", "--recompute", "-1"), 2, "recompute (--recompute)"),
+    Case("ask-blend-above-one", _ask("why?", "--blend", "2"), 2, "blend (--blend) must be a number from 0 to 1"),
+    Case("ask-blend-layer", _ask("why?", "--blend-layer", "-1"), 2, "blend_layer (--blend-layer)"),
+    Case("ask-batch-zero", _ask("why?", "-b", "0"), 2, "batch_size (--batch-size)"),
+    # the context window, from the receiver's config.json before it loads (the tiny receiver has 512)
+    Case("ask-max-new-tokens-window", _ask("Harbor town?", "--max-new-tokens", "100000"), 2, "context window of 512"),
+    Case("ask-max-new-tokens-window-text", _ask("Harbor town?", "--max-new-tokens", "100000", "--system", "text"), 2,
+         "context window of 512"),
+    Case("ask-max-new-tokens-window-batch", _ask("-q", "{w}/q-harbor.jsonl", "--max-new-tokens", "600"), 2,
+         "context window of 512"),
     Case("ask-store-file", _ask("why?", store="plainfile"), 5, "plainfile is not a cache store"),
     Case("ask-store-missing", _ask("why?", store="nowhere"), 5, "no cache store at"),
     Case("ask-no-index", _ask("why?", store="noindex"), 9, "no retrieval index"),
@@ -186,7 +220,8 @@ CASES = [
     Case("verify-reencode-alone", lambda c: ["store", "verify", c["w"] / "store", "--reencode"], 2, "--reencode"),
     Case("info-missing", lambda c: ["store", "info", c["w"] / "nowhere"], 5, "no cache store at"),
     Case("unlock-missing", lambda c: ["store", "unlock", c["w"] / "nowhere"], 5, "no cache store at"),
-    Case("index-kind", lambda c: ["index", "--store", c["w"] / "store", "--kind", "bogus"], 2, "unknown index kind 'bogus'"),
+    Case("index-kind", lambda c: ["index", "--store", c["w"] / "store", "--kind", "bogus"], 2,
+         "unknown index kind 'bogus'"),
     Case("index-file", lambda c: ["index", "--store", c["w"] / "plainfile"], 5, "plainfile is not a cache store"),
     Case("index-missing", lambda c: ["index", "--store", c["w"] / "nowhere"], 5, "no cache store at"),
     # evaluate: QA files and options
@@ -206,20 +241,6 @@ CASES = [
 
 def _snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any model, fuser or embedder load fails the test: every check must come first."""
-    from cachegraft_cli import fuser
-    from cachegraft_cli.lm import models
-    from cachegraft_cli.retrieval import index as retrieval
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    for module, name in ((models, "load_causal_lm"), (fuser, "load_fuser"), (retrieval, "load_embedder")):
-        monkeypatch.setattr(module, name, refuse)
 
 
 def _args(case: Case, ctx: dict) -> list[str]:
@@ -269,3 +290,105 @@ def test_skip_bad_counts_what_it_skipped(workspace, tmp_path, capsys, monkeypatc
     assert summary["added"] == 3 and summary["skipped_bad"] == 3
     assert summary["skipped_reasons"] == {"malformed JSON": 1, "not an object": 1, "missing text": 1}
     record(bad_inputs=3)
+
+
+@pytest.fixture(scope="module")
+def long_store(tiny_dirs, tmp_path_factory):
+    """40 passages of about 20 tokens each: all of them overflow the tiny receiver's 512 positions."""
+    import cachegraft_cli as cg
+
+    path = tmp_path_factory.mktemp("long") / "store"
+    words = "harbor lighthouse fishermen founded town river bank treaty signed"
+    passages = [{"id": f"p{i}", "title": f"Harbor {i}", "text": f"Harbor town passage {i}: {words} {words}."}
+                for i in range(40)]
+    cg.encode(passages, path, receiver=str(tiny_dirs["receiver"]), dtype="float32")
+    cg.index(path)
+    return path
+
+
+@pytest.mark.parametrize("system", ["graft", "text"])
+def test_context_window_is_checked_before_models_load(long_store, system, no_model_loads, capsys, monkeypatch):
+    """`-k 100000` retrieves every passage: refused from config.json and the store's rows,
+    before the receiver loads, with the message the check after loading gives."""
+    before = _snapshot(long_store)
+    for args in (["-k", "100000"], ["-k", "30", "--max-new-tokens", "2"], ["--max-new-tokens", "100000"]):
+        monkeypatch.setattr(sys, "argv", ["cachegraft", "ask", "harbor lighthouse", "--store", str(long_store),
+                                          "--system", system, *args])
+        with pytest.raises(SystemExit) as info:
+            main()
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "context window of 512" in err and "Traceback" not in err, err
+        assert "Lower -k" in err
+        record(bad_inputs=1)
+    assert _snapshot(long_store) == before
+
+
+def test_context_window_check_before_loading_agrees_with_the_one_after(long_store, tiny_dirs):
+    """The planned end position is the built prompt's, for every system and scheme: the check
+    before loading refuses exactly what the check after loading refuses."""
+    import cachegraft_cli as cg
+    from cachegraft_cli.answering.ask import Asker
+    from cachegraft_cli.api import ask_options
+
+    graft = cg.open_store(long_store)
+    asker: Asker = graft.asker
+    cases = (("graft", "rotate", 3, 0), ("graft", "shared", 3, 0), ("graft", "rotate", 3, 4), ("text", "rotate", 3, 0),
+             ("closed", "rotate", 1, 0))
+    for system, scheme, k, recompute in cases:
+        options = ask_options(system=system, scheme=scheme, k=k, recompute=recompute)
+        hits = asker.retrieve("harbor lighthouse", k) if system != "closed" else []
+        _, prompt = asker.build_prompt("harbor lighthouse", hits, options)
+        planned = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
+        assert planned == prompt.end_position, (system, scheme)
+
+
+SAME_MISTAKES = [
+    (["-k", "0"], {"k": 0}),
+    (["--max-new-tokens", "0"], {"max_new_tokens": 0}),
+    (["--temperature", "-1"], {"temperature": -1.0}),
+    (["--seed", "-5"], {"seed": -5}),
+    (["--recompute", "-1"], {"recompute": -1}),
+    (["--blend", "2"], {"blend": 2.0}),
+    (["--blend-layer", "-1"], {"blend_layer": -1}),
+    (["--scheme", "spiral"], {"scheme": "spiral"}),
+    (["--system", "oracle"], {"system": "oracle"}),
+    (["-b", "0"], {"batch_size": 0}),
+    (["--index-kind", "bogus"], {"index_kind": "bogus"}),
+]
+
+
+@pytest.mark.parametrize("flags, keywords", SAME_MISTAKES, ids=[m[0][0] for m in SAME_MISTAKES])
+def test_the_cli_and_the_api_say_the_same_for_the_same_mistake(flags, keywords, workspace, no_model_loads, capsys,
+                                                               monkeypatch):
+    """One check for both: `ask` with a bad flag and `ask_many` with the bad keyword print the
+    same message and hint."""
+    import cachegraft_cli as cg
+    from cachegraft_cli.errors import UsageError
+
+    store = str(workspace["w"] / "store")
+    monkeypatch.setattr(sys, "argv", ["cachegraft", "ask", "why?", "--store", store, *flags])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    kw = dict(keywords)
+    opener = {"index_kind": kw.pop("index_kind")} if "index_kind" in kw else {}
+    with pytest.raises(UsageError) as api:
+        cg.ask_many(["why?"], store, **opener, **kw)
+    assert info.value.code == api.value.exit_code == 2
+    assert err.splitlines()[:2] == [f"error: {api.value.message}", f"  hint: {api.value.hint}"], err
+    record(bad_inputs=2, api_bad_calls=1, api_raw_exceptions=0)
+
+
+def test_the_bound_before_the_tokenizer_never_exceeds_the_exact_end(long_store):
+    """The metadata-only bound is a lower bound of the exact end for every system and scheme, so
+    it never refuses a prompt that fits."""
+    import cachegraft_cli as cg
+    from cachegraft_cli.api import ask_options
+
+    asker = cg.open_store(long_store).asker
+    for system in ("graft", "text", "closed"):
+        for scheme in ("rotate", "shared"):
+            options = ask_options(system=system, scheme=scheme, k=3)
+            hits = asker.retrieve("harbor lighthouse", 3) if system != "closed" else []
+            exact = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
+            assert asker.least_end(hits, options) <= exact, (system, scheme)

@@ -8,11 +8,16 @@ import sys
 
 import pytest
 from cli_support import run_cli
+from conftest import MIN_GREEDY_MARGIN
+from tiny import open_fuser
 
 PASSAGES = [
-    {"id": "harbor", "title": "Harbor town", "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
-    {"id": "treaty", "title": "Treaty", "text": "The treaty was signed in Vienna after long talks between the two empires."},
-    {"id": "photo", "title": "Photosynthesis", "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
+    {"id": "harbor", "title": "Harbor town",
+     "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
+    {"id": "treaty", "title": "Treaty",
+     "text": "The treaty was signed in Vienna after long talks between the two empires."},
+    {"id": "photo", "title": "Photosynthesis",
+     "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
 ]
 QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what does photosynthesis make?"]
 
@@ -37,17 +42,10 @@ def _encode(capsys, monkeypatch, corpus, store, receiver, *extra):
 @pytest.fixture(scope="module")
 def open_fuser_dir(tiny_models, tmp_path_factory):
     """A random fuser for receiver <- sharer_same with its gates open."""
-    import torch
-
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
 
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(0)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
     path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
+    save_published(open_fuser(tiny_models["receiver"], tiny_models["sharer_same"]), path)
     return path
 
 
@@ -69,7 +67,7 @@ def test_version(capsys, monkeypatch):
     assert code == 0 and out.startswith("cachegraft ")
 
 
-def test_graft_with_closed_fuser_equals_text_at_k1(tiny_dirs, tmp_path, capsys, monkeypatch):
+def test_graft_with_closed_fuser_equals_text_at_k1(tiny_dirs, tmp_path, capsys, monkeypatch, greedy_margins):
     """The exactness property through the whole CLI: single-passage store, fuser
     closed, k=1: the fused-cache answer and the text answer are the same tokens."""
     corpus = _corpus(tmp_path / "one.jsonl", PASSAGES[:1])
@@ -88,23 +86,26 @@ def test_graft_with_closed_fuser_equals_text_at_k1(tiny_dirs, tmp_path, capsys, 
         answers[system] = json.loads(out)
     g, t = answers["graft"], answers["text"]
     assert g["tokens"]["generated"] > 0
+    assert min(greedy_margins) >= MIN_GREEDY_MARGIN  # equal up to rounding: decided on every CPU
     assert g["answer"] == t["answer"] and g["tokens"]["generated"] == t["tokens"]["generated"]
-    assert g["passages"][0]["id"] == "harbor" and set(g["timings"]) >= {"retrieve", "load", "prefill", "first_token", "total"}
+    assert g["passages"][0]["id"] == "harbor"
+    assert set(g["timings"]) >= {"retrieve", "load", "prefill", "first_token", "total"}
 
 
-def test_batch_mode_matches_single_calls(tiny_dirs, tmp_path, capsys, monkeypatch):
+def test_batch_mode_matches_single_calls(tiny_dirs, tmp_path, capsys, monkeypatch, greedy_margins):
     store = tmp_path / "store"
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
     run(capsys, monkeypatch, "index", "--store", store)
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(QUESTIONS)))
-    code, out, err = run(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-k", 2, "--max-new-tokens", 8,
-                         "--batch-size", 3)
+    code, out, err = run(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-k", 2,
+                         "--max-new-tokens", 8, "--batch-size", 3)
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert [x["id"] for x in lines] == ["q0", "q1", "q2"]
     for line, q in zip(lines, QUESTIONS):
         code, out, _ = run(capsys, monkeypatch, "ask", q, "--store", store, "-k", 2, "--json", "--max-new-tokens", 8)
+        assert min(greedy_margins) >= MIN_GREEDY_MARGIN  # a batch pads: equal up to rounding only
         assert json.loads(out)["answer"] == line["answer"]
 
 
@@ -113,7 +114,8 @@ def test_batch_mode_reports_questions_without_passages(tiny_dirs, tmp_path, caps
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
     run(capsys, monkeypatch, "index", "--store", store)
     qfile = tmp_path / "q.jsonl"
-    qfile.write_text(json.dumps({"id": "a", "question": QUESTIONS[0]}) + "\n" + json.dumps({"id": "b", "question": "zzqx"}) + "\n")
+    qfile.write_text(json.dumps({"id": "a", "question": QUESTIONS[0]}) + "\n"
+                     + json.dumps({"id": "b", "question": "zzqx"}) + "\n")
     code, out, err = run(capsys, monkeypatch, "ask", "-q", qfile, "--store", store, "--max-new-tokens", 4)
     lines = [json.loads(line) for line in out.splitlines()]
     assert code == 10 and "1 of 2 questions" in err
@@ -176,7 +178,8 @@ def test_empty_store_and_changed_receiver(tiny_dirs, tmp_path, capsys, monkeypat
     empty = _corpus(tmp_path / "empty.jsonl", [])
     receiver = tmp_path / "receiver"
     shutil.copytree(tiny_dirs["receiver"], receiver)
-    code, _, err = run(capsys, monkeypatch, "encode", empty, "--store", tmp_path / "empty-store", "--receiver", receiver)
+    code, _, err = run(capsys, monkeypatch, "encode", empty, "--store", tmp_path / "empty-store",
+                       "--receiver", receiver)
     assert code == 8 and "no passages" in err and not (tmp_path / "empty-store").exists()  # refused, nothing written
     from cachegraft_cli.encoding.local import encode_corpus
     from cachegraft_cli.encoding.plan import EncodeOptions
@@ -200,21 +203,12 @@ def test_debug_flag_shows_traceback(tmp_path, capsys, monkeypatch):
     assert code == 5 and "Traceback" in err
 
 
-def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_models, tmp_path, capsys, monkeypatch):
-    import torch
-
-    import cachegraft_cli.lm.models as models
+def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_models, tmp_path, capsys, monkeypatch,
+                                                           loads):
     from cachegraft_cli.fuser.checkpoint import save_own
-    from cachegraft_cli.fuser.fuser import Fuser
 
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(1)
-    adapter = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, sharer_input="zero", hidden_dim=16, intermediate_dim=16)
-    adapter.set_gates(1.0)
-    save_own(adapter, tmp_path / "adapter")
-    loaded = []
-    real = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    save_own(open_fuser(r, s, seed=1, width=16, sharer_input="zero"), tmp_path / "adapter")
     store = tmp_path / "store"
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"],
             "--sharer", tiny_dirs["sharer_same"], "--fuser", tmp_path / "adapter")
@@ -223,27 +217,32 @@ def test_adapter_store_answers_as_adapter_without_a_sharer(tiny_dirs, tiny_model
                          "--max-new-tokens", 4)
     assert code == 0, err
     assert json.loads(out)["system"] == "adapter"
-    assert str(tiny_dirs["sharer_same"]) not in loaded  # neither encode nor ask ran the sharer
+    assert str(tiny_dirs["sharer_same"]) not in loads  # neither encode nor ask ran the sharer
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", store, "--system", "graft")
     assert code == 2 and "--system adapter" in err
 
 
 @pytest.mark.parametrize("order", ["best-last", "retrieval"])
-def test_full_recompute_of_own_caches_answers_as_text(tiny_dirs, tmp_path, capsys, monkeypatch, order):
+def test_full_recompute_of_own_caches_answers_as_text(tiny_dirs, tmp_path, capsys, monkeypatch, order,
+                                                       greedy_margins):
     """Through the CLI at k=3: recomputing every later passage token of the receiver's own
     caches is the text computation, in either passage order (the order applies to text too)."""
     store = tmp_path / "store"
-    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"], "--also-own-cache")
+    _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"],
+            "--also-own-cache")
     run(capsys, monkeypatch, "index", "--store", store)
     got = {}
     for system, recompute in (("cache", 10_000), ("text", 0), ("cache", 0)):
         code, out, err = run(capsys, monkeypatch, "ask", "who built the lighthouse, signed the treaty, made sugar?",
-                             "--store", store, "-k", 3, "--system", system, "--order", order, "--recompute", recompute, "--json", "--max-new-tokens", 10)
+                             "--store", store, "-k", 3, "--system", system, "--order", order,
+                             "--recompute", recompute, "--json", "--max-new-tokens", 10)
         assert code == 0, err
         got[(system, recompute)] = json.loads(out)
     full, text = got[("cache", 10_000)], got[("text", 0)]
+    assert min(greedy_margins) >= MIN_GREEDY_MARGIN  # one masked forward vs a plain one: equal up to rounding
     assert full["answer"] == text["answer"] and full["tokens"]["generated"] == text["tokens"]["generated"]
-    assert len(full["passages"]) == 3 and full["tokens"]["recomputed"] > 0 and got[("cache", 0)]["tokens"]["recomputed"] == 0
+    assert len(full["passages"]) == 3 and full["tokens"]["recomputed"] > 0
+    assert got[("cache", 0)]["tokens"]["recomputed"] == 0
     assert full["order"] == order and full["recompute"] == {"tokens": 10_000, "blend": 0.0}
 
 
@@ -257,7 +256,8 @@ def test_context_window_is_guarded(tiny_dirs, tmp_path, capsys, monkeypatch):
         assert code == 2 and "context window of 512" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args, words", [(["--order", "random"], "passage order"), (["--recompute", "-1"], "--recompute"),
+@pytest.mark.parametrize("args, words", [(["--order", "random"], "passage order"),
+                                         (["--recompute", "-1"], "--recompute"),
                                          (["--blend", "2"], "--blend")])
 def test_bad_assembly_flags_fail_before_anything_loads(tmp_path, capsys, monkeypatch, args, words):
     code, _, err = run(capsys, monkeypatch, "ask", "q", "--store", tmp_path / "missing", *args)

@@ -1,4 +1,4 @@
-"""What a newcomer meets first (issue 16): appending with the store's models, checks that
+"""What a newcomer meets first: appending with the store's models, checks that
 come before any model loads, status lines while models load, help at 80 columns, one-line
 usage errors, the index in `store info`, the pull's sizes, and the out-of-memory message."""
 
@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from test_cli_e2e import PASSAGES, QUESTIONS, _corpus, _encode, run
+from tiny import open_fuser
 
 
 @pytest.fixture
@@ -26,16 +27,6 @@ def no_model_loads(monkeypatch):
 
 
 @pytest.fixture
-def loads(monkeypatch):
-    import cachegraft_cli.lm.models as models
-
-    seen: list[str] = []
-    real = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: seen.append(spec) or real(spec, **kw))
-    return seen
-
-
-@pytest.fixture
 def indexed_store(tiny_dirs, tmp_path, capsys, monkeypatch):
     store = tmp_path / "store"
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES), store, tiny_dirs["receiver"])
@@ -47,17 +38,11 @@ def indexed_store(tiny_dirs, tmp_path, capsys, monkeypatch):
 
 
 def test_append_from_stdin_uses_the_models_recorded_in_the_store(tiny_dirs, tmp_path, capsys, monkeypatch, loads):
-    import torch
-
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
     from cachegraft_cli.lm.models import load_causal_lm
 
     r, s = (load_causal_lm(str(tiny_dirs[k]), device="cpu", dtype="float32") for k in ("receiver", "sharer_same"))
-    torch.manual_seed(0)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=16, intermediate_dim=16)
-    fuser.set_gates(1.0)
-    save_published(fuser, tmp_path / "fuser")
+    save_published(open_fuser(r, s, width=16), tmp_path / "fuser")
     store = tmp_path / "store"
     _encode(capsys, monkeypatch, _corpus(tmp_path / "c.jsonl", PASSAGES[:2]), store, tiny_dirs["receiver"],
             "--sharer", tiny_dirs["sharer_same"], "--fuser", tmp_path / "fuser")

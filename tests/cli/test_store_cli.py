@@ -28,7 +28,8 @@ def store_dir(tmp_path):
 
 def invoke(*args):
     result = CliRunner().invoke(app, list(args))
-    code = report(result.exception) if result.exception and not isinstance(result.exception, SystemExit) else result.exit_code
+    raised = result.exception and not isinstance(result.exception, SystemExit)
+    code = report(result.exception) if raised else result.exit_code
     return result, code
 
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from tiny import open_fuser
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.local import encode_corpus
@@ -39,17 +40,10 @@ def _passages(n: int) -> list[Passage]:
 @pytest.fixture(scope="module")
 def choice(tiny_models, tiny_dirs, tmp_path_factory):
     """receiver <- sharer_same through a random fuser with open gates (so fusion is not the identity)."""
-    import torch
-
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
 
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(3)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
     path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
+    save_published(open_fuser(tiny_models["receiver"], tiny_models["sharer_same"], seed=3), path)
     return ModelChoice(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), str(path), device="cpu",
                        dtype="float32")
 
@@ -82,7 +76,7 @@ def assert_same_as_local(url: str, local, n: int = N) -> CacheStore:
     return store
 
 
-def test_two_actors_make_the_local_engines_store(ray_cluster, choice, local_store, tmp_path):
+def test_two_actors_make_the_local_runners_store(ray_cluster, choice, local_store, tmp_path):
     url = str(tmp_path / "ray")
     summary = encode_on_ray(_passages(N), url, choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
     assert summary.added == N and summary.tokens == local_store.info()["tokens"] and len(summary.segments) == 8
@@ -157,20 +151,9 @@ def test_sigkill_of_the_driver_then_rerun_completes_the_store(ray_cluster, choic
 
 
 @pytest.fixture
-def s3_store(s3_server, monkeypatch):
-    """A fresh bucket on the test's S3 server; this process finds it the usual ways (AWS_* variables,
-    fsspec's config), as the Ray workers do (the cluster fixture gave them the same variables)."""
-    import uuid
-
-    import fsspec
-    import fsspec.config
-
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server.endpoint})
-    bucket = f"cg-{uuid.uuid4().hex[:8]}"
-    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(bucket)
-    return f"s3://{bucket}/store"
+def s3_store(s3_bucket):
+    """A store URL in a fresh bucket on the test's S3 server (see `s3_bucket`)."""
+    return f"s3://{s3_bucket}/store"
 
 
 def _ask(url: str, questions: list[str]) -> list[tuple[str, int]]:

@@ -6,6 +6,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from tiny import open_fuser
 
 from cachegraft_cli.cli.app import main
 
@@ -30,17 +31,9 @@ def qa_file(tmp_path_factory):
 
 
 def _fuser_dir(tiny_models, path, sharer_input="model"):
-    import torch
-
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
 
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(0)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, sharer_input=sharer_input,
-                         hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
-    save_published(fuser, path)
+    save_published(open_fuser(tiny_models["receiver"], tiny_models["sharer_same"], sharer_input=sharer_input), path)
     return str(path)
 
 

@@ -13,7 +13,8 @@ def run(capsys, monkeypatch, *args):
 
 
 def test_a_question_that_retrieves_nothing_is_a_miss_and_the_run_goes_on(tiny_dirs, tmp_path, capsys, monkeypatch):
-    data = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820 by fishermen.", "qas": [
+    data = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820 by fishermen.",
+                                                         "qas": [
         {"id": "found", "question": "When was Harbor town founded?", "answers": [{"text": "1820"}]},
         {"id": "nothing", "question": "zzqx vvbnm?", "answers": [{"text": "none"}]}]}]}]}
     qa = tmp_path / "qa.json"
@@ -51,8 +52,8 @@ def test_relative_model_paths_are_recorded_absolute(tiny_dirs, tmp_path, capsys,
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    code, out, err = run(capsys, monkeypatch, "ask", "When was Harbor town founded?", "--store", work / "store", "--json",
-                         "--max-new-tokens", 2)
+    code, out, err = run(capsys, monkeypatch, "ask", "When was Harbor town founded?", "--store", work / "store",
+                         "--json", "--max-new-tokens", 2)
     assert code == 0 and json.loads(out)["passages"][0]["id"] == "a", err
     code, out, err = run(capsys, monkeypatch, "encode", work / "c.jsonl", "--store", work / "store", "--receiver",
                          work / "models" / "receiver", "--dtype", "float32", "--json")

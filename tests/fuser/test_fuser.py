@@ -39,8 +39,10 @@ def test_published_parameter_names_and_count():
     for prefix in ("key", "value"):
         assert {f"{prefix}_in.weight", f"{prefix}_in.bias", f"{prefix}_gate_logit"} <= names
         assert f"{prefix}_mlp1.blocks.0.norm.weight" in names
-        assert f"{prefix}_proj_mlp2.blocks.0.w1.weight" in names and f"{prefix}_proj_mlp2.blocks.1.w1.weight" not in names
-        assert {f"{prefix}_scalar_mlp2.blocks.0.w2.weight", f"{prefix}_scalar_head.bias", f"{prefix}_proj_out.weight"} <= names
+        assert f"{prefix}_proj_mlp2.blocks.0.w1.weight" in names
+        assert f"{prefix}_proj_mlp2.blocks.1.w1.weight" not in names
+        assert {f"{prefix}_scalar_mlp2.blocks.0.w2.weight", f"{prefix}_scalar_head.bias",
+                f"{prefix}_proj_out.weight"} <= names
     assert "gate_temperature" in names
     # docs/method.md section 2: one Qwen3-0.6B <- Qwen2.5-0.5B projector has 17,066,002 parameters.
     assert sum(x.numel() for x in p.parameters()) == 17_066_002

@@ -3,8 +3,8 @@ receiver alone; RoPE re-rotation == encoding at shifted positions."""
 
 import pytest
 import torch
+from tiny import open_fuser
 
-from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.fuser.online import online_logits
 from cachegraft_cli.lm import kvcache
@@ -27,20 +27,13 @@ def _offline_logits(receiver, engine, passage_kv, prefix_len, passage_len, quest
     return out.logits[0]
 
 
-def _open_fuser(receiver, sharer, seed=0):
-    torch.manual_seed(seed)
-    fuser = Fuser.create(receiver.spec, sharer.spec, receiver.geometry, sharer.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)  # positive logits: hard gates open
-    return fuser.eval()
-
-
 @pytest.mark.parametrize("sharer_role", ["sharer_same", "sharer_other"])
 def test_offline_equals_online_reference(tiny_models, sharer_role):
     r, s = tiny_models["receiver"], tiny_models[sharer_role]
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
     prefix, question = tpl.prefix_ids(), tpl.question_ids("who built the lighthouse?")
     passages = [tpl.passage_ids(t, x) for t, x in PASSAGES]
-    fuser = _open_fuser(r, s)
+    fuser = open_fuser(r, s)
     engine = PassageFusion(r, prefix, s, fuser)
     fused = engine.fuse(passages)  # one batched, right-padded forward
     for ids, kv in zip(passages, fused):
@@ -56,7 +49,7 @@ def test_closed_fuser_gives_receiver_logits_exactly(tiny_models):
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
     prefix, question = tpl.prefix_ids(), tpl.question_ids("where was the treaty signed?")
     ids = tpl.passage_ids(*PASSAGES[2])
-    fuser = _open_fuser(r, s)
+    fuser = open_fuser(r, s)
     fuser.set_gates(0.0)  # the untrained default: logit 0 is closed
     engine = PassageFusion(r, prefix, s, fuser)
     kv = engine.fuse([ids])[0]
@@ -71,7 +64,7 @@ def test_closed_fuser_gives_receiver_logits_exactly(tiny_models):
 def test_batched_fuse_equals_one_at_a_time(tiny_models):
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
     tpl = PromptTemplate.for_tokenizer(r.tokenizer)
-    engine = PassageFusion(r, tpl.prefix_ids(), s, _open_fuser(r, s, seed=5))
+    engine = PassageFusion(r, tpl.prefix_ids(), s, open_fuser(r, s, seed=5))
     passages = [tpl.passage_ids(t, x) for t, x in PASSAGES]
     batched = engine.fuse(passages)
     for ids, b in zip(passages, batched):
@@ -100,7 +93,8 @@ def test_key_rerotation_matches_encoding_at_shifted_positions(tiny_models):
             torch.testing.assert_close(kr, ks, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(vr, vs, atol=1e-4, rtol=1e-4)
         q_pos = torch.arange(delta + n, delta + n + len(question))[None]
-        a = r.model(input_ids=torch.tensor([question]), cache=kvcache.to_model_cache(rotated, r.model.config), position_ids=q_pos)
+        a = r.model(input_ids=torch.tensor([question]), cache=kvcache.to_model_cache(rotated, r.model.config),
+                    position_ids=q_pos)
         b = r.model(input_ids=torch.tensor([question]), cache=shifted, position_ids=q_pos)
     assert (a.logits - b.logits).abs().max() <= 1e-4
 
@@ -120,6 +114,6 @@ def test_fuser_for_other_geometry_is_refused(tiny_models):
     from cachegraft_cli.errors import CheckpointError
 
     r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    wrong = _open_fuser(r, tiny_models["sharer_other"])
+    wrong = open_fuser(r, tiny_models["sharer_other"])
     with pytest.raises(CheckpointError, match="KV heads"):
         PassageFusion(r, [1, 2], s, wrong)

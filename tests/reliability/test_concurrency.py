@@ -123,7 +123,8 @@ def test_readers_see_the_last_committed_state_during_an_append(tiny_dirs, tmp_pa
     deadline = time.time() + 120
     while len(CacheStore.open(str(store))) == 8 and time.time() < deadline:  # wait for the first new segment
         time.sleep(0.05)
-    code, out, err = run(capsys, monkeypatch, "ask", "harbor lights 3", "--store", store, "--json", "--max-new-tokens", 2)
+    code, out, err = run(capsys, monkeypatch, "ask", "harbor lights 3", "--store", store, "--json",
+                         "--max-new-tokens", 2)
     assert code == 0, err
     assert "warning: the index of" in err and "covers 8 of its" in err  # answers from what the index covers
     assert json.loads(out)["passages"]

@@ -159,7 +159,8 @@ def test_row_tables_round_trip_through_rows_bin(items):
         assert np.array_equal(getattr(back, name), getattr(table, name))
 
 
-@pytest.mark.parametrize("bad", [b"", b"CGROWS1\n", b"CGROWS1\n\x05\x00\x00\x00\x00\x00\x00\x00{bad}", b"\x80\x04K\x01."])
+@pytest.mark.parametrize("bad", [b"", b"CGROWS1\n", b"CGROWS1\n\x05\x00\x00\x00\x00\x00\x00\x00{bad}",
+                                 b"\x80\x04K\x01."])
 def test_damaged_rows_bin_is_a_typed_error(bad):
     from cachegraft_cli.errors import StoreCorruptError
     from cachegraft_cli.store.rows import parse_table

@@ -20,8 +20,8 @@ from cachegraft_cli.store import CacheStore
 
 
 def _corpus(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"note {i} on the harbor light"}) + "\n"
-                            for i in range(n)))
+    path.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"note {i} on the harbor light"})
+                            + "\n" for i in range(n)))
     return path
 
 
@@ -144,7 +144,8 @@ def tmpfs(tmp_path):
     """A 1 MiB tmpfs, where this machine lets us mount one (root with the mount capability)."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode})")
     yield mount

@@ -23,7 +23,8 @@ def add(url, items):
     store = CacheStore.open(url)
     with store.writer() as w:
         for pid, text in items:
-            w.add(PassageRow(pid, text=text, content_hash=f"h-{pid}-{text}"), {"fused": np.ones((3, 1, 2, 1, 4), np.float32)})
+            w.add(PassageRow(pid, text=text, content_hash=f"h-{pid}-{text}"),
+                  {"fused": np.ones((3, 1, 2, 1, 4), np.float32)})
 
 
 @pytest.fixture

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
-from paths import TESTS
-from store_support import bf16_cache, fill, identity, prefix, row
+from faults import Cli, Faults
+from store_support import bf16_cache, decoded, fill, fingerprint, identity, prefix, row, same_caches
 
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.compact import CompactOptions, compact, plan_groups
@@ -31,39 +30,19 @@ def _store(url: str, codec: str = "bf16", segments: int = 6, per: int = 7, seed:
     return data
 
 
-def _fingerprint(store) -> list:
-    """Every row in manifest order, superseded ones too: (id, content hash, tokens, checksums of every
-    kind/part). Compaction must not change any of it."""
-    from cachegraft_cli.store import segments
-
-    tables = segments.load_tables(store.loc, [s["name"] for s in store.segments], store.rows_file)
-    return [(pid, t.content_hash(i), int(t.tokens[i]), {k: t.checksum(i, k) for k in store.kinds})
-            for t in tables for i, pid in enumerate(t.ids)]
-
-
-def _decoded(store) -> dict:
-    ids = sorted(store.ids())
-    return dict(zip(ids, store.read(ids)))
-
-
-def _same(store, decoded: dict) -> bool:
-    ids = sorted(decoded)
-    return sorted(store.ids()) == ids and all(np.array_equal(a, decoded[i]) for i, a in zip(ids, store.read(ids)))
-
-
 @pytest.mark.parametrize("codec", ["bf16", "int4"])
 def test_compaction_keeps_every_cache_byte(tmp_path, codec):
     url = str(tmp_path / "s")
     data = _store(url, codec)
     before = CacheStore.open(url)
-    sums, decoded = _fingerprint(before), _decoded(before)
+    sums, caches = fingerprint(before), decoded(before)
     report = compact(url, CompactOptions(target_bytes=1 << 40))
     after = CacheStore.open(url)
     assert report["segments_before"] == 7 and report["segments_after"] == len(after.segments) == 1
-    assert _fingerprint(after) == sums  # checksums, hashes and token counts of every row
-    assert _same(after, decoded) and after.verify()["ok"] and after.get_rows(["p0"])[0].text == "changed"
+    assert fingerprint(after) == sums  # checksums, hashes and token counts of every row
+    assert same_caches(after, caches) and after.verify()["ok"] and after.get_rows(["p0"])[0].text == "changed"
     if codec == "bf16":
-        assert _same(after, {i: d["fused"] for i, d in data.items()}) and "token_extent" not in after.segments[0]
+        assert same_caches(after, {i: d["fused"] for i, d in data.items()}) and "token_extent" not in after.segments[0]
     else:  # int4 key groups: sources start on 128-token boundaries, the gaps belong to no passage
         assert after.segments[0]["token_extent"] > after.segments[0]["tokens"] == before.info()["tokens"]
 
@@ -88,14 +67,14 @@ def test_readers_see_a_consistent_store_during_and_after(tmp_path):
     url = str(tmp_path / "s")
     _store(url, segments=8)
     old = CacheStore.open(url)
-    data = _decoded(old)  # a snapshot taken before: its segments are retired, not deleted
+    data = decoded(old)  # a snapshot taken before: its segments are retired, not deleted
     seen, stop, errors = [], threading.Event(), []
 
     def reader():
         while not stop.is_set():
             try:
                 store = CacheStore.open(url)
-                seen.append((len(store.segments), _same(store, data)))
+                seen.append((len(store.segments), same_caches(store, data)))
             except Exception as exc:  # noqa: BLE001 - any failure is the finding
                 errors.append(exc)
 
@@ -108,10 +87,10 @@ def test_readers_see_a_consistent_store_during_and_after(tmp_path):
         thread.join()
     assert not errors and seen and all(ok for _, ok in seen)
     assert {n for n, _ in seen} <= {9, 1}  # the old manifest or the new one, nothing in between
-    assert _same(old, data)  # still reads its (retired) segments
-    assert _same(CacheStore.open(url), data) and len(CacheStore.open(url).segments) == 1
+    assert same_caches(old, data)  # still reads its (retired) segments
+    assert same_caches(CacheStore.open(url), data) and len(CacheStore.open(url).segments) == 1
     fill(CacheStore.open(url), np.random.default_rng(5), range(100, 102))  # a writer's garbage collection keeps them
-    assert _same(old, data)
+    assert same_caches(old, data)
     report = compact(url, CompactOptions(target_bytes=1 << 40, grace_seconds=0))
     assert {s["name"] for s in old.segments} < set(report["retired_deleted"])  # and the two just merged
     names = set(CacheStore.open(url).loc.list_names("segments")) - {"zarr.json"}
@@ -130,43 +109,12 @@ def test_compact_cli(tmp_path, capsys, monkeypatch):
     assert info.value.code in (0, None) and report["segments_after"] == 1 and len(report["merged"][0]["from"]) == 4
 
 
-# A compaction that kills itself just before the named step (or sleeps mid-copy for the parent to kill).
-CHILD = r"""
-import os, signal, sys, time
-sys.path.insert(0, sys.argv[3])
-from cachegraft_cli.store import compact as compact_mod, location
-from cachegraft_cli.store.compact import CompactOptions, compact
-url, mode = sys.argv[1], sys.argv[2]
-
-def die(*a, **k):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-manifests = [0]
-real_json, real_bytes = location.Location.write_json_atomic, location.Location.write_bytes
-def write_json(self, rel, obj, compact=False):
-    if rel.endswith("commit.json") and mode == "before-commit-marker":
-        die()
-    if rel == "manifest.json":
-        manifests[0] += 1
-        if mode == f"before-manifest-{manifests[0]}":
-            die()
-    return real_json(self, rel, obj, compact)
-def write_bytes(self, rel, data):
-    if "/c/" in rel and mode == "mid-copy":
-        print("COPYING", flush=True)
-        time.sleep(60)
-    return real_bytes(self, rel, data)
-location.Location.write_json_atomic = write_json
-location.Location.write_bytes = write_bytes
-real_remove = location.Location.remove
-def remove(self, rel):
-    if mode == "mid-purge" and rel.startswith("segments/"):
-        die()
-    return real_remove(self, rel)
-location.Location.remove = remove
-compact(url, CompactOptions(target_bytes=int(sys.argv[4]), grace_seconds=float(sys.argv[5])))
-print("DONE", flush=True)
-"""
+# A compaction that kills itself just before the named step (or stalls mid-copy for the parent to kill).
+MODES = {"mid-copy": Faults(stall_before="write_bytes:*/c/*"),
+         "before-commit-marker": Faults(kill_before="write_json:*commit.json"),
+         "before-manifest-1": Faults(kill_before="write_json:manifest.json#1"),
+         "before-manifest-2": Faults(kill_before="write_json:manifest.json#2"),
+         "mid-purge": Faults(kill_before="remove:segments/*")}
 
 
 @pytest.mark.parametrize("mode", ["mid-copy", "before-commit-marker", "before-manifest-1", "before-manifest-2",
@@ -174,23 +122,23 @@ print("DONE", flush=True)
 def test_sigkill_at_any_point_of_compaction(tmp_path, mode):
     url = str(tmp_path / "s")
     _store(url, "int4", segments=6)
-    sums, data = _fingerprint(CacheStore.open(url)), _decoded(CacheStore.open(url))
+    sums, data = fingerprint(CacheStore.open(url)), decoded(CacheStore.open(url))
     sizes = [sum(e["bytes"].values()) for e in CacheStore.open(url).segments]
-    target, grace = str(max(sizes) * 2 + 1), "3600"  # several groups: the kill can fall between two swaps
+    target, grace = max(sizes) * 2 + 1, 3600.0  # several groups: the kill can fall between two swaps
     if mode == "mid-purge":
-        compact(url, CompactOptions(target_bytes=int(target)))  # retire some, then purge them in the child
-        target, grace = str(1 << 40), "0"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, url, mode, str(TESTS), target, grace],
-                            stdout=subprocess.PIPE, text=True)
+        compact(url, CompactOptions(target_bytes=target))  # retire some, then purge them in the child
+        target, grace = 1 << 40, 0.0
+    proc = Cli(tmp_path / "logs").call(compact, url, CompactOptions(target_bytes=target, grace_seconds=grace),
+                                       faults=MODES[mode])
     if mode == "mid-copy":
-        assert proc.stdout.readline().strip() == "COPYING"
-        proc.send_signal(signal.SIGKILL)
+        proc.wait_for("STALLED")
+        proc.kill()
     assert proc.wait(timeout=120) == -signal.SIGKILL
     store = CacheStore.open(url)
-    assert _fingerprint(store) == sums and _same(store, data) and store.verify()["ok"]
+    assert fingerprint(store) == sums and same_caches(store, data) and store.verify()["ok"]
     compact(url, CompactOptions(target_bytes=1 << 40, grace_seconds=0))  # finishes the job, deletes the garbage
     final = CacheStore.open(url)
-    assert _fingerprint(final) == sums and _same(final, data) and final.verify()["ok"]
+    assert fingerprint(final) == sums and same_caches(final, data) and final.verify()["ok"]
     assert len(final.segments) == 1
     names = set(final.loc.list_names("segments")) - {"zarr.json"}
     assert names == {final.segments[0]["name"]}
@@ -203,14 +151,14 @@ def test_repair_of_a_lost_manifest_after_compaction_lists_the_merge_and_retires_
 
     url = str(tmp_path / "s")
     data = _store(url, segments=3)
-    sums = _fingerprint(CacheStore.open(url))
+    sums = fingerprint(CacheStore.open(url))
     report = compact(url, CompactOptions(target_bytes=1 << 40))
     sources = report["merged"][0]["from"]
     (tmp_path / "s" / "manifest.json").unlink()
     fixed = repair(url)
     assert fixed.manifest == "rebuilt from 1 commit records" and fixed.ok, fixed.problems_left
     store = CacheStore.open(url)
-    assert _fingerprint(store) == sums and _same(store, {k: v["fused"] for k, v in data.items()})
+    assert fingerprint(store) == sums and same_caches(store, {k: v["fused"] for k, v in data.items()})
     assert sorted(r["name"] for r in segments_manifest(store)["retired"]) == sorted(sources)
     fill(store, np.random.default_rng(9), range(200, 201))  # a writer's recovery keeps the retired sources
     assert {n for n in sources if (tmp_path / "s" / "segments" / n).exists()} == set(sources)

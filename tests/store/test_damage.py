@@ -147,7 +147,8 @@ def test_verify_fix_reencode_restores_damaged_passages_bit_identically(store, pr
 
 
 @pytest.mark.parametrize("how", ["corrupt", "delete"])
-def test_manifest_damage_is_refused_and_rebuilt_from_commit_records(how, store, pristine, tiny_dirs, capsys, monkeypatch):
+def test_manifest_damage_is_refused_and_rebuilt_from_commit_records(how, store, pristine, tiny_dirs, capsys,
+                                                                     monkeypatch):
     manifest = store / "manifest.json"
     if how == "corrupt":
         manifest.write_text('{"segments": [{"name": ')

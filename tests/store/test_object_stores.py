@@ -3,8 +3,6 @@ localhost) and gs:// (gcsfs); listings are never answered from a stale cache."""
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 from store_support import fill, identity, prefix
@@ -13,24 +11,12 @@ from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.location import Location
 
 
-@pytest.fixture
-def bucket(s3_server, monkeypatch):
-    import fsspec
-    import fsspec.config
-
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server.endpoint})
-    name = f"cg-{uuid.uuid4().hex[:8]}"
-    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
-    return name
-
-
-def test_s3_listings_see_other_writers(bucket):
+def test_s3_listings_see_other_writers(s3_bucket):
     """Another process (here: another filesystem instance) adds a segment after we listed:
     garbage collection and existence checks must see it."""
     import fsspec
 
+    bucket = s3_bucket
     url = f"s3://{bucket}/store"
     rng = np.random.default_rng(0)
     store = CacheStore.create(url, identity(), prefix(rng))

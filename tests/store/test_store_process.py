@@ -1,4 +1,5 @@
-"""Other processes: SIGKILL at any point of a write, a live writer elsewhere, stale locks."""
+"""Other processes: SIGKILL at any point of a write, a live writer elsewhere, stale locks (the
+children are `faults.Cli` processes)."""
 
 from __future__ import annotations
 
@@ -11,58 +12,22 @@ import time
 
 import numpy as np
 import pytest
-from paths import TESTS
-from store_support import fill, identity, memory_url, prefix
+from faults import Cli, Faults, Run
+from store_support import add_passages, fill, identity, memory_url, prefix
 
 from cachegraft_cli.errors import StoreError, StoreLockedError
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.lock import unlock
 
-# Child writer: adds passages in one session. MODE "sleep" stalls mid-write (shards already
-# flushed) for the parent to SIGKILL; otherwise it kills itself just before the named step.
-CHILD = r"""
-import os, signal, sys, time
-import numpy as np
-sys.path.insert(0, sys.argv[3])
-from store_support import bf16_cache, row
-from cachegraft_cli.store import CacheStore, location, segments
-url, mode = sys.argv[1], sys.argv[2]
-
-def die(*a, **k):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-if mode == "before-commit-marker":
-    real = location.Location.write_json_atomic
-    def patched(self, rel, obj, compact=False):
-        if rel.endswith("commit.json"):
-            die()
-        return real(self, rel, obj, compact)
-    location.Location.write_json_atomic = patched
-elif mode == "before-manifest-rename":
-    real_replace = os.replace
-    def patched_replace(src, dst):
-        if str(dst).endswith("manifest.json"):
-            die()
-        return real_replace(src, dst)
-    os.replace = patched_replace
-store = CacheStore.open(url)
-rng = np.random.default_rng(7)
-with store.writer({"child": mode}) as w:
-    for i in range(100, 160):
-        w.add(row(i), {"fused": bf16_cache(rng, 20)})
-    print("READY", flush=True)
-    if mode == "sleep":
-        time.sleep(60)
-"""
+# The child writer adds passages 100-159 in one session. "sleep" stalls it before its commit record
+# (shards flushed, lock held) for the parent to SIGKILL; otherwise it kills itself just before the step.
+MODES = {"sleep": Faults(stall_before="write_json:*commit.json"),
+         "before-commit-marker": Faults(kill_before="write_json:*commit.json"),
+         "before-manifest-rename": Faults(kill_before="replace:*manifest.json")}
 
 
-def _child(url: str, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, url, mode, str(TESTS)], stdout=subprocess.PIPE, text=True)
-
-
-def _wait_ready(proc: subprocess.Popen) -> None:
-    line = proc.stdout.readline()
-    assert line.strip() == "READY", line
+def _child(url: str, mode: str, logs) -> Run:
+    return Cli(logs).call(add_passages, url, range(100, 160), 20, 7, {"child": mode}, faults=MODES[mode])
 
 
 @pytest.mark.parametrize("mode", ["sleep", "before-commit-marker", "before-manifest-rename"])
@@ -70,15 +35,15 @@ def test_sigkill_at_any_point_leaves_a_good_store(tmp_path, mode):
     url = str(tmp_path / "store")
     rng = np.random.default_rng(1)
     fill(CacheStore.create(url, identity(), prefix(rng), shard_tokens=64), rng, range(5))
-    proc = _child(url, mode)
+    proc = _child(url, mode, tmp_path / "logs")
     if mode == "sleep":
-        _wait_ready(proc)
+        proc.wait_for("STALLED")
         store = CacheStore.open(url)
         with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
             store.writer()
         with pytest.raises(StoreLockedError):
             unlock(store.loc)  # refused: the holder is alive
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
     store = CacheStore.open(url)
     assert sorted(store.ids()) == [f"p{i}" for i in range(5)]
@@ -115,9 +80,9 @@ def test_local_lock_held_by_live_process_then_released(tmp_path):
     url = str(tmp_path / "store")
     rng = np.random.default_rng(3)
     CacheStore.create(url, identity(), prefix(rng))
-    proc = _child(url, "sleep")
+    proc = _child(url, "sleep", tmp_path / "logs")
     try:
-        _wait_ready(proc)
+        proc.wait_for("STALLED")
         with pytest.raises(StoreLockedError) as exc:
             CacheStore.open(url).writer()
         assert "since" in str(exc.value) and os.uname().nodename in str(exc.value)

@@ -69,7 +69,8 @@ def test_precomputed_caches_equal_encode(tiny_models, role):
         own, sharer = bank.get(key)
         # equal up to float noise from different batch compositions (encode batches differ too)
         assert torch.allclose(own, torch.stack([torch.stack(p) for p in enc.own]), atol=1e-5)
-        fused = fuser.fuse(kvcache.batched(list(zip(own[:, 0], own[:, 1]))), kvcache.batched(list(zip(sharer[:, 0], sharer[:, 1]))))
+        fused = fuser.fuse(kvcache.batched(list(zip(own[:, 0], own[:, 1]))),
+                           kvcache.batched(list(zip(sharer[:, 0], sharer[:, 1]))))
         for (k, v), (ek, ev) in zip(kvcache.unbatched(fused), enc.fused):
             assert torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5)
 
@@ -87,7 +88,8 @@ def test_batched_loss_equals_text_prompt(tiny_models):
         full = tpl.prefix_ids() + ids[item.passage] + list(item.ids)
         logits = r.model(input_ids=torch.tensor([full])).logits[0]
         start = len(full) - len(item.ids)
-        nll = torch.nn.functional.cross_entropy(logits[start + item.n_context - 1 : -1], torch.tensor(item.ids[item.n_context :]), reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits[start + item.n_context - 1 : -1],
+                                                torch.tensor(item.ids[item.n_context :]), reduction="sum")
         assert abs(float(nll) - float(singles[2][0])) < 1e-3
 
 
@@ -227,7 +229,8 @@ def test_adapter_runs_without_sharer(tiny_dirs, tiny_models, squad_file, tmp_pat
         return real(spec, **kw)
 
     monkeypatch.setattr(models, "load_causal_lm", guarded)
-    cfg = _config(tiny_dirs, squad_file, tmp_path / "ad", sharer=str(tiny_dirs["sharer_other"]), sharer_input="zero", max_steps=2)
+    cfg = _config(tiny_dirs, squad_file, tmp_path / "ad", sharer=str(tiny_dirs["sharer_other"]),
+                  sharer_input="zero", max_steps=2)
     summary = run(cfg, progress=False)
     assert summary["steps"] == 2
     fuser = load_checkpoint(tmp_path / "ad")
@@ -284,7 +287,8 @@ def test_multi_passage_items_are_assembled_as_ask_assembles_them(tiny_models):
     lengths = {k: len(v) for k, v in ids.items()}
     multi = objectives.with_passages(items, list(ids), lengths, [3], seed=5)
     item = multi[0]
-    assert len(item.parts) == 3 and item.passage in dict(item.parts) and item.past_tokens == sum(n for _, n in item.parts)
+    assert len(item.parts) == 3 and item.passage in dict(item.parts)
+    assert item.past_tokens == sum(n for _, n in item.parts)
     assert multi == objectives.with_passages(items, list(ids), lengths, [3], seed=5)
     rotator = kvcache.KeyRotator.for_model(r.model)
     with torch.no_grad():

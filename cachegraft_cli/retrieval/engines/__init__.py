@@ -7,7 +7,7 @@
 | `flat` | vectors | exact brute force over memory-mapped float32 (small corpora, reference) |
 
 Engine modules import their libraries inside functions, so importing this
-package is free. The choice is by measurement: docs/results.md, "Retrieval at scale".
+package is free. The choice is by measurement: docs/results.md, "Retrieval".
 """
 
 from __future__ import annotations

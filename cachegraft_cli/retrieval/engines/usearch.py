@@ -9,7 +9,7 @@ lossless. Defaults: int8 vectors in the graph (a quarter of float32), 16 links p
 expansion 128 when adding and 1024 when searching: on the benchmark's 130k
 rows (SQuAD among Gaussian distractors) 512 found 99.0% of the exact top 5 and
 lost 0.7 points of SQuAD recall@5, 1024 found 99.6% and lost 0.3, at twice
-the query time (docs/results.md, "Retrieval at scale").
+the query time (docs/results.md, "Retrieval").
 """
 
 from __future__ import annotations
