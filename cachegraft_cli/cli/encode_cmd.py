@@ -36,7 +36,8 @@ def encode(
         help="Store only this share of each passage's tokens, e.g. 0.5; kept tokens keep their positions "
              "(default: the store's, 1 = every token for a new one).")] = None,
     keep_by: Annotated[Optional[str], typer.Option(
-        help="How --keep chooses tokens: attention (received at the receiver's last layers), norm or even.")] = None,
+        help="How --keep chooses tokens: even (evenly spaced, the default), attention (received at the "
+             "receiver's last layers) or norm.")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
         int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")

@@ -21,6 +21,7 @@ from cachegraft_cli.cli.options import (
     SharerOpt,
 )
 from cachegraft_cli.cli.output import emit_json
+from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 
 
 def evaluate(
@@ -74,7 +75,7 @@ def evaluate(
                                              "SYSTEM@keep=R, @codec=C, @keep_by=M answer one entry from such a store.")
                     ] = 1.0,
     keep_by: Annotated[str, typer.Option(help="How a pruned store chooses its tokens: attention, norm or even.")
-                       ] = "attention",
+                       ] = DEFAULT_KEEP_BY,
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,

@@ -2,7 +2,9 @@
 (without the question) after fusion, so the kept tokens carry exactly the fused KV
 they would have in a store that keeps every token.
 
-Methods (`--keep-by`):
+Methods (`--keep-by`; `even` is the default: on 30 SQuAD questions at keep 0.5 it lost
+no more F1 than `attention` and far less than `norm`, and it costs no scoring, see
+docs/results.md):
 - `attention`: the attention each token receives from the passage's later tokens at
   the receiver's last layers (H2O / SnapKV-style; `lm.attention`, measured in the
   encode forward itself);
@@ -16,10 +18,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 KEEP_METHODS = ("attention", "norm", "even")
-DEFAULT_KEEP_BY = "attention"
+DEFAULT_KEEP_BY = "even"
 
 
 def kept_count(tokens: int, ratio: float) -> int:
@@ -29,6 +29,8 @@ def kept_count(tokens: int, ratio: float) -> int:
 
 def kept_positions(kv, ratio: float, by: str) -> list[int]:
     """The positions (increasing) a `PassageKV` keeps; every position when the ratio keeps them all."""
+    import numpy as np  # here, not at import: the CLI reads DEFAULT_KEEP_BY at start-up
+
     n = int(kv.own[0][0].shape[1])
     count = kept_count(n, ratio)
     if count >= n:
@@ -40,8 +42,10 @@ def kept_positions(kv, ratio: float, by: str) -> list[int]:
     return [0, *sorted(int(i) for i in middle), n - 1]
 
 
-def _scores(kv, by: str) -> np.ndarray:
-    """Higher = more worth keeping."""
+def _scores(kv, by: str):
+    """Higher = more worth keeping (a numpy array)."""
+    import numpy as np
+
     if by == "attention":
         if kv.attention is None:
             raise ValueError("attention scores were not computed: fuse with attention=True")

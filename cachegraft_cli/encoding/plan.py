@@ -305,7 +305,7 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
     from cachegraft_cli.lm import kvcache
 
     ratio = 1.0 if options.keep is None else options.keep
-    attention = ratio < 1 and (options.keep_by or "attention") == "attention"
+    attention = ratio < 1 and options.keep_by == "attention"  # runners resolve keep_by (`with_keep`)
     for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch], attention=attention)):
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:

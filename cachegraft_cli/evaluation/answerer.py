@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
+from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 from cachegraft_cli.errors import NoPassagesError, UsageError
 
 
@@ -27,7 +28,7 @@ class AnswererConfig:
     adapter_fuser: str | None = None
     codec: str = "bf16"
     keep: float = 1.0  # share of each passage's tokens the stores keep (`encode --keep`)
-    keep_by: str = "attention"
+    keep_by: str = DEFAULT_KEEP_BY
     scheme: str = "rotate"
     order: str = "best-last"
     recompute: int = DEFAULT_RECOMPUTE
@@ -57,7 +58,7 @@ class AnswererConfig:
         """(codec, keep, keep_by) of the store a system label answers from."""
         o = overrides or {}
         keep = float(o.get("keep", self.keep))
-        return o.get("codec", self.codec), keep, o.get("keep_by", self.keep_by) if keep < 1 else "attention"
+        return o.get("codec", self.codec), keep, o.get("keep_by", self.keep_by) if keep < 1 else DEFAULT_KEEP_BY
 
 
 class ReusedFusion:

@@ -168,12 +168,12 @@ def test_cli_encode_keep_and_store_info_ratio(tiny_dirs, tmp_path, capsys, monke
         code, text, _ = run_cli(capsys, monkeypatch, "store", "info", store)
         assert "stored / raw fused" in text and ("of each passage's tokens" in text) == (keep == "0.5")
     full, half = reports["1"], reports["0.5"]
-    assert full["keep"] is None and half["keep"] == {"ratio": 0.5, "by": "attention"}
+    assert full["keep"] is None and half["keep"] == {"ratio": 0.5, "by": "even"}
     assert half["passage_tokens"] == full["passage_tokens"] == full["tokens"] > half["tokens"]
     assert full["ratio_to_raw_bf16_full"]["fused"] == pytest.approx(full["ratio_to_raw_bf16"]["fused"])
     assert half["ratio_to_raw_bf16_full"]["fused"] < 0.6 * full["ratio_to_raw_bf16_full"]["fused"]
     code, _, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", tmp_path / "s0.5", "--keep", "0.25",
                            *common)
-    assert code != 0 and code != 70 and "--keep 0.5 (by attention)" in err
+    assert code != 0 and code != 70 and "--keep 0.5 (by even)" in err
     code, _, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", tmp_path / "bad", "--keep", "1.5", *common)
     assert code != 0 and code != 70 and "keep must be" in err

@@ -16,8 +16,7 @@ def test_store_variants_parse_and_name_their_stores():
     v = parse_variant("graft@keep=0.5@codec=int4@recompute=16")
     assert v.store == {"keep": 0.5, "codec": "int4"} and v.assembly == {"recompute": 16}
     answerer = StoreAnswerer(_config(), ["graft", "graft@keep=0.5", "graft@codec=int4@keep=0.5", "text"])
-    assert answerer.stores_needed == [("bf16", 1.0, "attention"), ("bf16", 0.5, "attention"),
-                                      ("int4", 0.5, "attention")]
+    assert answerer.stores_needed == [("bf16", 1.0, "even"), ("bf16", 0.5, "even"), ("int4", 0.5, "even")]
     urls = {answerer._store_url("squad", "f", s) for s in answerer.stores_needed}
     assert len(urls) == 3 and answerer._store_url("squad", "f") in urls
     assert answerer.options("graft@keep=0.5@order=retrieval", 5).order == "retrieval"
