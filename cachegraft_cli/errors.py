@@ -118,3 +118,9 @@ class RunnerError(CacheGraftError):
     """The distributed runner failed: the cluster is unreachable, or tasks kept failing after their retries."""
 
     exit_code = 15
+
+
+class ServerError(CacheGraftError):
+    """`ask --server`: the server could not be reached, refused the key, or was too busy."""
+
+    exit_code = 16

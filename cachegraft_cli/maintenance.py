@@ -14,14 +14,41 @@ def verify_store(url: str, progress=None) -> dict:
     """The store's verify report plus a check of its retrieval index, when it has one."""
     from cachegraft_cli.store import CacheStore
 
-    store = CacheStore.open(url)
+    store = CacheStore.open(url, partial=True)  # a listed segment that does not read is one of the problems
     report = store.verify(progress)
+    _name_lost_passages(store, url, report["problems"])
     problem = index_problem(store, url)
     if problem:
         report["problems"].append({"segment": None, "passage": None, "row": None, "kind": None, "part": None,
                                    "problem": problem, "code": "index"})
         report["ok"] = False
     return report
+
+
+def _name_lost_passages(store, url: str, problems: list[dict]) -> None:
+    """Segments whose row table is gone cannot name their passages; the retrieval index can: the
+    passages it holds that the readable segments lack."""
+    lost = [p for p in problems if p["code"] == "segment_missing"]
+    if not lost:
+        return
+    ids = lost_ids(store, url)
+    for p in lost:
+        p["passages"] = ids
+        p["problem"] += (f"; the index names {len(ids)} passages the other segments lack: "
+                         f"{', '.join(map(repr, ids[:10]))}{' ...' if len(ids) > 10 else ''}" if ids else
+                         "; no index names them")
+
+
+def lost_ids(store, url: str) -> list[str]:
+    """Ids the store's retrieval index holds that no readable segment has (best effort: [] without one)."""
+    from cachegraft_cli.retrieval.index import load_index
+    from cachegraft_cli.retrieval.stored import index_path
+
+    try:
+        index = load_index(index_path(url), store=url)
+    except Exception:  # noqa: BLE001 - no index, or one that does not read: nothing to name them from
+        return []
+    return [pid for pid in index.ids if pid not in store]
 
 
 def index_problem(store, url: str) -> str | None:
@@ -51,8 +78,14 @@ def repair_store(url: str, reencode: bool = False) -> dict:
     from cachegraft_cli.store.repair import describe, repair
 
     with lock_store(url, {"tool": "cachegraft store repair"}) as lock:
+        lost = _lost_before_repair(url)
         report = repair(url, lock=lock)
         result = {**report.as_dict(), "lines": describe(report), "reencoded": [], "not_reencoded": {}}
+        for seg in report.unreadable:  # their row tables are gone: the index names what they held
+            result["unchecked"] += [{"passage": pid, "segment": seg, "reason": "its row table does not read"}
+                                    for pid in lost]
+            result["lines"] += [f"passage {pid!r} (named by the index) was in an unreadable segment: not in the store "
+                                "now; encode it again from the corpus" for pid in lost]
         if reencode and report.dropped_rows:
             try:
                 summary = _reencode(url, report.dropped_rows, lock)
@@ -73,6 +106,31 @@ def repair_store(url: str, reencode: bool = False) -> dict:
     return result
 
 
+def _lost_before_repair(url: str) -> list[str]:
+    """Passages of listed segments whose row table does not read, as the index names them."""
+    from cachegraft_cli.store.store import CacheStore
+
+    try:
+        store = CacheStore.open(url, partial=True)
+    except CacheGraftError:  # a lost manifest: the rebuild names what it finds
+        return []
+    return lost_ids(store, url) if store.missing else []
+
+
+def undo_repair(url: str, repair_id: str) -> list[str]:
+    """Undo one `store repair` (its quarantine id), then rebuild the index if it no longer serves."""
+    from cachegraft_cli.store.lock import lock_store
+    from cachegraft_cli.store.repair import undo
+
+    with lock_store(url, {"tool": "cachegraft store repair --undo"}) as lock:
+        lines = undo(url, repair_id, lock=lock)
+    try:
+        rebuilt = _rebuild_index(url)
+    except CacheGraftError as exc:  # the store is back as it was, damage included
+        return lines + [f"the store does not open as it is now ({exc.message}); no index was built"]
+    return lines + ([rebuilt] if rebuilt else [])
+
+
 def _reencode(url: str, rows: list, lock):
     from cachegraft_cli.encoding.local import reencode_rows
     from cachegraft_cli.encoding.plan import EncodeOptions
@@ -91,6 +149,8 @@ def _rebuild_index(url: str) -> str | None:
 
     store = CacheStore.open(url)
     problem = index_problem(store, url)
+    if problem is None and not store.loc.exists("index") and len(store):
+        problem = "there is none"  # deleted, or never built: a store without one cannot answer
     if problem is None:
         return None
     if not len(store):
@@ -100,7 +160,7 @@ def _rebuild_index(url: str) -> str | None:
         summary = build_store_index(url, kind, embedder, rebuild=True)
     except CacheGraftError as exc:
         return f"the retrieval index needs a rebuild ({exc.message}): run `cachegraft index --store {url} --rebuild`"
-    return f"rebuilt the {summary['kind']} index over {summary['passages']} passages"
+    return f"rebuilt the {summary['kind']} index over {summary['passages']} passages ({problem})"
 
 
 def _index_kind(url: str) -> tuple[str, str | None]:

@@ -29,7 +29,7 @@ from cachegraft_cli.answering.assembly import (
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_question
 from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
-from cachegraft_cli.lm.generation import Prompt
+from cachegraft_cli.lm.generation import Prompt, RowStreams
 
 __all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
 
@@ -42,7 +42,7 @@ class Asker:
         from cachegraft_cli.session import session_for_store
         from cachegraft_cli.store import CacheStore
 
-        self.store = CacheStore.open(store_url)
+        self.store = CacheStore.open(store_url, partial=True)  # a lost segment: answer from the others
         self.store_url = store_url
         if len(self.store) == 0:
             raise NoPassagesError(f"Store {store_url} has no passages.",
@@ -84,7 +84,9 @@ class Asker:
 
         check_system(self.store, system)
 
-    def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None) -> dict:
+    def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None,
+            cancelled: Callable[[], bool] | None = None) -> dict:
+        """One question; `on_text` hears the answer as it is decoded, `cancelled()` true stops it early."""
         options.check()
         self.check_system(options.system)
         check_question(question)
@@ -95,7 +97,7 @@ class Asker:
         t_retrieve = time.perf_counter()
         lm, prompt = self.build_prompt(question, hits, options)
         t_load = time.perf_counter()
-        gen = generate(lm, prompt, options.generation, on_text, t0)
+        gen = generate(lm, prompt, options.generation, on_text, t0, cancelled)
         timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
         return _result(question, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings)
 
@@ -177,8 +179,10 @@ class Asker:
         _check_context(lm, prompt, options.generation.max_new_tokens)
         return lm, prompt
 
-    def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8) -> list[dict]:
-        """Answer questions in batches of `batch_size` (one batched decode each).
+    def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8,
+                 streams: RowStreams | None = None) -> list[dict]:
+        """Answer questions in batches of `batch_size` (one batched decode each); `streams`
+        (one entry per question) hears each answer as it is decoded and can stop one.
 
         Timings: `load` (reading and assembling the question's caches) is the
         question's own; what the batch does at once (retrieval, the batched
@@ -199,7 +203,8 @@ class Asker:
                 prompts.append(self.build_prompt(q, hits, options))
                 loads.append(time.perf_counter() - start)
             t_load = time.perf_counter()
-            gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation)
+            window = _window(streams, i, len(chunk))
+            gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation, window)
             first = gens[0].timings
             shared = {"questions": len(chunk), "retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
                       "prefill": first["prefill"], "first_token": t_load - t0 + first["first_token"],
@@ -258,6 +263,14 @@ class Asker:
                 )
             out.append(tokens)
         return out
+
+
+def _window(streams: RowStreams | None, start: int, n: int) -> RowStreams | None:
+    """The rows of `streams` that one batch of `n` questions from `start` decodes."""
+    if streams is None:
+        return None
+    stopped = streams.stopped
+    return RowStreams(streams.on_text[start : start + n], lambda row: stopped(start + row))
 
 
 def _check_context(lm, prompt: Prompt, max_new_tokens: int) -> None:

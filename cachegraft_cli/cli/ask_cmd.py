@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
 
@@ -53,6 +53,11 @@ def ask(
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
+    server: Annotated[Optional[str], typer.Option(envvar="CACHEGRAFT_SERVER",
+                                                  help="Ask a running `cachegraft serve` at this URL instead "
+                                                       "(--store names its store).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="CACHEGRAFT_API_KEY",
+                                                   help="With --server: the server's API key.")] = None,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
     from cachegraft_cli.answering.options import check_batch_size, check_index_kind
@@ -75,6 +80,11 @@ def ask(
     items = read_questions(questions) if questions is not None else []
     if question is not None:
         check_question(question)
+    if server:
+        _refuse_model_options(sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+                              trust_remote_code=trust_remote_code or None)
+        _ask_server(server, api_key, store, question, items, options, json_out, show_passages, batch_size)
+        return
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
     graft.check(system)
@@ -85,12 +95,37 @@ def ask(
     with showing_status(json_out or batch):
         graft.warm(system)
     if batch:
-        _batch(graft, items, options, batch_size)
+        _batch(_local_batch(graft, options, batch_size), items, batch_size)
         return
     assert question is not None  # exactly one of QUESTION and --questions was given (checked above)
     stream = sys.stdout.isatty() and not json_out
     answer = graft.ask(question, options, on_text=_echo if stream else None)
     _print(answer.as_dict(), json_out, stream, show_passages)
+
+
+def _refuse_model_options(**given) -> None:
+    from cachegraft_cli.errors import UsageError
+
+    named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if named:
+        raise UsageError(f"{', '.join(named)} choose the models of a server, not of a question sent to one.",
+                         "Give them to `cachegraft serve`, or drop --server (and CACHEGRAFT_SERVER).")
+
+
+def _ask_server(url: str, api_key: str | None, store: str, question: str | None, items: list[tuple],
+                options: AskOptions, json_out: bool, show_passages: bool, batch_size: int) -> None:
+    """The same output as answering here, from a running server (which decodes a batch's
+    questions together: they are sent `batch_size` at a time)."""
+    from cachegraft_cli.serving.client import Client
+
+    client = Client(url, api_key)
+    try:
+        if question is not None:
+            _print(client.ask(store, question, options), json_out, False, show_passages)
+        else:
+            _batch(lambda qs: client.ask_many(store, qs, options, concurrency=batch_size), items, batch_size)
+    finally:
+        client.close()
 
 
 def _note_coverage(graft, system: str, store: str) -> None:
@@ -122,21 +157,17 @@ def _print(result: dict, json_out: bool, streamed: bool, show_passages: bool) ->
             typer.echo(f"  [{i}] {p['id']}  {p['title']}  (score {p['score']})")
 
 
-def _batch(graft, items: list[tuple], options: AskOptions, batch_size: int) -> None:
-    """One JSON line out per question in, models loaded once, decoded in batches.
-    A question with no retrieved passage gets an error line; the exit code says so.
-    On a TTY, stderr counts the questions answered."""
+def _batch(answer: Callable[[list[str]], list[dict]], items: list[tuple], batch_size: int) -> None:
+    """One JSON line out per question in, `answer` called on `batch_size` questions at a time
+    (each result a dict, or {"question", "error"} for one that retrieved no passage; the exit
+    code says so). On a TTY, stderr counts the questions answered."""
     from cachegraft_cli.errors import NoPassagesError
 
     failed = 0
     counter = _Counter(len(items))
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        try:
-            results = [a.as_dict() for a in graft.ask_many([q for _, q in chunk], options, batch_size=batch_size)]
-        except NoPassagesError:
-            results = [_one(graft, q, options) for _, q in chunk]
-        for (qid, _), result in zip(chunk, results):
+        for (qid, _), result in zip(chunk, answer([q for _, q in chunk])):
             failed += "error" in result
             emit_json({"id": qid, **result})
         counter.add(len(chunk))
@@ -144,6 +175,19 @@ def _batch(graft, items: list[tuple], options: AskOptions, batch_size: int) -> N
     if failed:
         raise NoPassagesError(f"{failed} of {len(items)} questions retrieved no passage (see their error lines).",
                               "Rephrase them with words from the corpus, or use a dense index.")
+
+
+def _local_batch(graft, options: AskOptions, batch_size: int) -> Callable[[list[str]], list[dict]]:
+    """Questions decoded together here; when one retrieves nothing, each is answered alone."""
+    from cachegraft_cli.errors import NoPassagesError
+
+    def answer(questions: list[str]) -> list[dict]:
+        try:
+            return [a.as_dict() for a in graft.ask_many(questions, options, batch_size=batch_size)]
+        except NoPassagesError:
+            return [_one(graft, q, options) for q in questions]
+
+    return answer
 
 
 def _one(graft, question: str, options: AskOptions) -> dict:

@@ -13,11 +13,13 @@ from cachegraft_cli.cli.evaluate_cmd import evaluate
 from cachegraft_cli.cli.fuser_cmd import fuser_app
 from cachegraft_cli.cli.index_cmd import index
 from cachegraft_cli.cli.models_cmd import models_app
+from cachegraft_cli.cli.serve_cmd import serve
 from cachegraft_cli.cli.store_cmd import store_app
 from cachegraft_cli.cli.train_cmd import train_fuser
 
 _COMMANDS: list[tuple[str, Callable[..., None]]] = [
-    ("encode", encode), ("index", index), ("ask", ask), ("evaluate", evaluate), ("train-fuser", train_fuser),
+    ("encode", encode), ("index", index), ("ask", ask), ("serve", serve), ("evaluate", evaluate),
+    ("train-fuser", train_fuser),
 ]
 _GROUPS = [fuser_app, store_app, models_app]
 

@@ -74,6 +74,10 @@ def _info_table(report: dict):
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
                           f"{seg['committed']}")
     table.add_row("index", _index_text(report.get("index"), report["url"]))
+    if report.get("quarantine"):
+        table.add_row("quarantine", f"{len(report['quarantine'])} repairs keep what they took out in "
+                      f"{report['url']}/quarantine/ (undo one with `cachegraft store repair DIR --undo ID`): "
+                      + ", ".join(report["quarantine"]))
     if report["writer"]:
         w = report["writer"]
         table.add_row("writer", f"pid {w.get('pid')} on {w.get('host')} since {w.get('since')}")
@@ -140,8 +144,8 @@ def verify(
         raise StoreCorruptError(
             f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: "
             f"{first['problem'].rstrip('.')}.",
-            hint=f"Run `cachegraft store repair {store}` to drop the damaged passages (--reencode encodes them "
-                 "again).")
+            hint=f"Run `cachegraft store repair {store}`: it drops only rows proven unreadable, keeps what it "
+                 f"cannot judge in {store}/quarantine/, and can be undone (--reencode encodes dropped passages again).")
     if not json:
         typer.echo("ok")
 
@@ -160,10 +164,33 @@ def repair(
     reencode: Annotated[
         bool, typer.Option("--reencode", help="Encode dropped passages again (loads the store's models).")
     ] = False,
+    undo: Annotated[str | None, typer.Option(
+        "--undo", metavar="ID", help="Undo an earlier repair: its id under DIR/quarantine/ (it printed it).")] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Rebuild a lost manifest from commit records, drop damaged passages (or encode them again), fix the index."""
+    """Rebuild a lost manifest, drop rows proven damaged (or encode them again), fix the index; nothing is
+    deleted: what is taken out goes to DIR/quarantine/<id>/, and `--undo ID` puts it back."""
+    if undo is not None:
+        _undo(store, undo, reencode, json)
+        return
     _repair(store, reencode, json)
+
+
+def _undo(store: str, repair_id: str, reencode: bool, json_out: bool) -> None:
+    from cachegraft_cli.cli.output import emit_json, log
+    from cachegraft_cli.errors import UsageError
+    from cachegraft_cli.maintenance import undo_repair
+
+    if reencode:
+        raise UsageError("--undo does not go with --reencode.", f"Run `cachegraft store repair {store} --undo "
+                         f"{repair_id}` alone.")
+    lines = undo_repair(store, repair_id)
+    if json_out:
+        emit_json({"url": store, "undone": repair_id, "lines": lines})
+        return
+    for line in lines:
+        log(line)
+    typer.echo(f"undone: {repair_id}")
 
 
 def _repair(store: str, reencode: bool, json_out: bool) -> None:

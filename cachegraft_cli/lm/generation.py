@@ -91,11 +91,13 @@ def generate(
     config: GenerationConfig | None = None,
     on_text: Callable[[str], None] | None = None,
     started: float | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Generation:
     """Generate after `prompt.past` (batched KV, batch 1), reading `prompt.ids` first.
 
     `started` is when the caller began the request, so `first_token` covers
-    retrieval and cache loading too.
+    retrieval and cache loading too. `cancelled()` true stops decoding after the
+    current token (a server's client went away).
     """
     config = config or GenerationConfig()
     t_call = time.perf_counter()
@@ -113,7 +115,7 @@ def generate(
             break
         out.append(token)
         streamer.push(out)
-        if len(out) == config.max_new_tokens:
+        if len(out) == config.max_new_tokens or (cancelled is not None and cancelled()):
             break  # no forward pass for a token that would never be read
         logits = step([token])
     t_end = time.perf_counter()
@@ -197,6 +199,15 @@ def pick_token(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
     return int(torch.multinomial(probs / probs.sum(), 1, generator=rng))
 
 
+@dataclass
+class RowStreams:
+    """Per row of a batched decode: who hears its text (`on_text[i]`, or None), and
+    `stopped(i)`, true once row i is no longer wanted (it then decodes no further)."""
+
+    on_text: list[Callable[[str], None] | None]
+    stopped: Callable[[int], bool] = lambda i: False
+
+
 class _Streamer:
     """Emits the newly decoded text after each token (whole characters only)."""
 
@@ -214,12 +225,14 @@ class _Streamer:
 
 
 @torch.inference_mode()
-def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = None) -> list[Generation]:
+def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = None,
+                   streams: RowStreams | None = None) -> list[Generation]:
     """Greedy/sampled decoding of several prompts at once, each with its own past.
 
     Rows are left-padded twice: the pasts to the longest past, the inputs to
     the longest input; pads (and each prompt's hidden slots) are masked out, so
     each row computes what it would alone (up to float summation order).
+    `streams` hears each row's text as it is decoded and can stop a row.
     """
     config = config or GenerationConfig()
     t0 = time.perf_counter()
@@ -233,7 +246,7 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
     else:
         logits = step(ids, positions, qmask)
     t_prefill = time.perf_counter()
-    rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config)
+    rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config, streams)
     t_end = time.perf_counter()
     timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
     decode = lm.tokenizer.decode
@@ -241,17 +254,21 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
             for out, p in zip(rows, prompts)]
 
 
-def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig) -> list[list[int]]:
+def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
+                 streams: RowStreams | None = None) -> list[list[int]]:
     stops = stop_ids(lm)
     rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    streamers = [_Streamer(lm.tokenizer, on_text) for on_text in streams.on_text] if streams else []
     for n in range(config.max_new_tokens):
         tokens = [pick_token(row_logits, config, rng) for row_logits in logits]
         for i, t in enumerate(tokens):
-            done[i] = done[i] or t in stops
+            done[i] = done[i] or t in stops or (streams is not None and streams.stopped(i))
             if not done[i]:
                 rows[i].append(t)
+                if streamers:
+                    streamers[i].push(rows[i])
         if all(done) or n + 1 == config.max_new_tokens:
             break
         ones = torch.ones(len(rows), 1, dtype=torch.long)

@@ -100,7 +100,7 @@ def plan_groups(entries: list[dict], target_bytes: int) -> list[list[dict]]:
     run: list[dict] = []
     size = 0
     for entry in entries:
-        nbytes = sum(entry["bytes"].values())
+        nbytes = sum((entry.get("bytes") or {}).values())
         if 2 * nbytes >= target_bytes:
             groups.append(run)
             run, size = [], 0
@@ -246,21 +246,26 @@ def _swap(loc, group: list[dict], entry: dict) -> None:
 
 
 def purge_retired(loc, grace_seconds: float) -> list[str]:
-    """Delete segments retired at least `grace_seconds` ago: first out of the manifest, then their files."""
+    """Delete segments retired at least `grace_seconds` ago: first out of the manifest, then their files.
+    A retired record of a segment the manifest still lists (a hand edit) is dropped and the segment
+    kept: a listed segment is never deleted. The manifest schema guarantees the times parse."""
     manifest = segments.load_manifest(loc)
     now = _dt.datetime.now(_dt.UTC)
+    listed = {e["name"] for e in manifest["segments"]}
     retired = manifest.get("retired", [])
-    old = [r for r in retired if (now - _dt.datetime.fromisoformat(r["retired"])).total_seconds() >= grace_seconds]
+    old = [r for r in retired
+           if (now - segments.parse_time(r["retired"])).total_seconds() >= grace_seconds or r["name"] in listed]
     if not old:
         return []
     manifest["retired"] = [r for r in retired if r not in old]
     _replace(loc, manifest)
     for r in old:  # unlisted now: a kill here leaves a superseded segment that the next writer deletes
-        segments.delete_segment(loc, r["name"])
-    return [r["name"] for r in old]
+        if r["name"] not in listed:
+            segments.delete_segment(loc, r["name"])
+    return [r["name"] for r in old if r["name"] not in listed]
 
 
 def _replace(loc, manifest: dict) -> None:
-    manifest["generation"] = int(manifest.get("generation", 0)) + 1
+    manifest["generation"] = manifest.get("generation", 0) + 1
     manifest["updated"] = now_iso()
     loc.write_json_atomic(MANIFEST, manifest)

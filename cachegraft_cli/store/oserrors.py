@@ -8,6 +8,8 @@ path could not be written, why, and that the same command resumes.
 from __future__ import annotations
 
 import errno
+import os
+import re
 from contextlib import contextmanager
 
 from cachegraft_cli.errors import CacheGraftError, DiskFullError, StorageError
@@ -36,10 +38,30 @@ def write_error(exc: OSError, path: str, doing: str) -> StorageError:
 
 @contextmanager
 def writing(path: str, doing: str):
-    """Turn OS write failures inside the block into `StorageError`s."""
+    """Turn OS write failures inside the block into `StorageError`s: OSErrors, and the errors
+    native libraries (tantivy, in Rust) raise as other exceptions with the OS error in their text."""
     try:
         yield
     except CacheGraftError:
         raise
     except OSError as exc:
         raise write_error(exc, path, doing) from None
+    except Exception as exc:  # re-raised unless it carries an OS write failure
+        code = errno_in_text(str(exc))
+        if code is None:
+            raise
+        raise write_error(OSError(code, os.strerror(code)), path, doing) from None
+
+
+_OS_ERROR = re.compile(r"os error (\d+)|No space left on device|Read-only file system|Disk quota exceeded")
+_BY_TEXT = {"No space left on device": errno.ENOSPC, "Read-only file system": errno.EROFS,
+            "Disk quota exceeded": getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def errno_in_text(text: str) -> int | None:
+    """The write-failure errno a native library's message names (Rust: `... (os error 28)`), or None."""
+    for match in _OS_ERROR.finditer(text):
+        code = int(match.group(1)) if match.group(1) else _BY_TEXT[match.group(0)]
+        if code in _FULL or code in _DENIED:
+            return code
+    return None

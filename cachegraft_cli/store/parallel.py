@@ -57,7 +57,7 @@ def commit_segments(loc: Location, entries: list[dict]) -> dict:
     new = [e for e in entries if e["name"] not in listed]
     if new:
         manifest["segments"].extend(new)
-        manifest["generation"] = int(manifest.get("generation", 0)) + 1
+        manifest["generation"] = manifest.get("generation", 0) + 1
         manifest["updated"] = now_iso()
         loc.write_json_atomic(MANIFEST, manifest)
     return manifest

@@ -27,7 +27,7 @@ def recover(store) -> dict:
     removed = segments.collect_garbage(store.loc)
     store.refresh()
     adopted, retired = [], []
-    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in store.segments}
+    replaced = {repaired_from(e) for e in store.segments}
     for name in orphans(store):
         entry, table = read_committed(store.loc, name, store.rows_file)
         if entry is None or table is None:
@@ -42,10 +42,25 @@ def recover(store) -> dict:
     return {"removed": removed, "adopted": adopted, "retired": retired}
 
 
+def repaired_from(entry: dict) -> str | None:
+    """The segment a repair copied this one from (None when it is no repair's copy)."""
+    run_info = entry.get("run_info")
+    source = run_info.get("repaired_from") if isinstance(run_info, dict) else None
+    return source if isinstance(source, str) else None
+
+
+def merged_from(entry: dict) -> list[str]:
+    """The segments a compaction merged into this one ([] when it is no merge)."""
+    run_info = entry.get("run_info")
+    sources = run_info.get("merged") if isinstance(run_info, dict) else None
+    return [s for s in sources if isinstance(s, str)] if isinstance(sources, list) else []
+
+
 def _unlisted_by_driver(entry: dict) -> bool:
     """A parallel job's worker segment (`store.parallel`): committed only when its driver lists
     it. Found unlisted under the lock, its job is over; a re-run encodes it again in plan order."""
-    return (entry.get("run_info") or {}).get("listed_by") == LISTED_BY
+    run_info = entry.get("run_info")
+    return isinstance(run_info, dict) and run_info.get("listed_by") == LISTED_BY
 
 
 def _superseded(store, table: SegmentTable) -> bool:

@@ -1,31 +1,40 @@
 """`cachegraft store repair`: bring a damaged store back to a consistent one.
 
 `repair` (on request, under the lock):
-  1. a missing or unreadable manifest is rebuilt from the segments' commit records;
-  2. listed segments whose row table cannot be read are dropped from the manifest;
-  3. `recover` (committed orphans adopted, or deleted when superseded or replaced
-     by an earlier repair: `run_info.repaired_from`);
-  4. `verify`; every segment with damaged rows, or with rows shadowed by a later
-     row of the same id, is replaced by a copy without them: its arrays are
-     copied file by file (so the kept caches stay bit-identical) under a new
-     segment name with a smaller row table; the manifest lists the copy in the
-     old one's place, then the old segment is deleted.
-The dropped rows are returned (with their text, when it is readable) so that
-the caller can encode them again.
+  1. a missing, unreadable or malformed manifest is rebuilt from the segments on disk: their
+     commit records, and the row tables of segments that lost theirs (a commit record is
+     written again for each: their rows are checked in step 4 like every other);
+  2. listed segments whose row table cannot be read are taken out of the manifest and moved
+     into the quarantine (nothing of them can be checked);
+  3. `recover` (committed orphans adopted, or deleted when the store holds all of their rows);
+  4. `verify`: a manifest entry that disagrees with its segment's commit record and row table
+     is written again from them; each segment with rows proven unreadable or failing their
+     checksum, or shadowed by a later row of the same id and content, is replaced by a copy
+     without those rows (its arrays copied file by file, so the kept caches stay
+     bit-identical); a segment repair cannot judge row by row (its row table contradicts
+     itself, its arrays do not open, its text does not read) is moved to the quarantine whole.
+
+Nothing is deleted: every segment taken out of the store, and the manifest as it was, go to
+`<store>/quarantine/<repair id>/` with `repair.json` (what was moved, created, written), so
+`undo` puts the store back as it was. The dropped rows are returned (with their text, when
+it is readable) so that the caller can encode them again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreCorruptError
+from cachegraft_cli.errors import StoreCorruptError, StoreError
 from cachegraft_cli.store import segments
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
     MANIFEST,
+    ROWS,
+    ROWS_BIN,
     new_segment_name,
     now_iso,
     rows_file as layout_rows_file,
@@ -34,10 +43,11 @@ from cachegraft_cli.store.layout import (
     token_extent,
 )
 from cachegraft_cli.store.location import Location
-from cachegraft_cli.store.recover import read_committed, recover
+from cachegraft_cli.store.recover import merged_from, read_committed, recover, repaired_from
 from cachegraft_cli.store.rows import PassageRow, SegmentTable
 
 TOOL = "cachegraft store repair"
+QUARANTINE = "quarantine"
 
 
 # ---------------------------------------------------------------- repair
@@ -52,6 +62,12 @@ class RepairReport:
     unreadable: list[str] = dataclasses.field(default_factory=list)
     rewritten: dict[str, str | None] = dataclasses.field(default_factory=dict)
     dropped: list[dict] = dataclasses.field(default_factory=list)
+    quarantined: dict[str, str] = dataclasses.field(default_factory=dict)  # segment -> why it was moved aside
+    unchecked: list[dict] = dataclasses.field(default_factory=list)  # passages moved aside unchecked: kept, not dropped
+    entries_fixed: list[str] = dataclasses.field(default_factory=list)
+    commits_written: list[str] = dataclasses.field(default_factory=list)
+    quarantine: str | None = None  # <store>/quarantine/<id>, when anything was moved or changed
+    undo: str | None = None  # the command that undoes this repair
     ok: bool = False
     problems_left: list[dict] = dataclasses.field(default_factory=list)
     dropped_rows: list[PassageRow] = dataclasses.field(default_factory=list, repr=False)
@@ -72,40 +88,98 @@ def repair(url, storage_options: dict | None = None, lock=None) -> RepairReport:
     held = lock or WriterLock(loc, {"tool": TOOL}).acquire()
     try:
         report = RepairReport(loc.url)
+        aside = Quarantine(loc)
         rows_file = layout_rows_file(meta.get("format_version", 1))
-        report.manifest = _check_manifest(loc, rows_file)
-        report.unreadable = _drop_unreadable(loc, rows_file)
+        report.manifest = _check_manifest(loc, rows_file, aside)
+        report.unreadable = _drop_unreadable(loc, rows_file, aside)
         store = CacheStore.open(url, storage_options=storage_options)
         recovered = recover(store)
         report.adopted, report.retired = recovered["adopted"], recovered["retired"]
-        _drop_damaged(store, report)
+        _drop_damaged(CacheStore.open(url, storage_options=storage_options), report, aside)
         final = CacheStore.open(url, storage_options=storage_options).verify()
         report.ok, report.problems_left = final["ok"], final["problems"]
+        report.quarantined, report.commits_written = dict(aside.log["moved"]), list(aside.log["commits_written"])
+        if aside.started:
+            report.quarantine, report.undo = loc.path(aside.dir), f"cachegraft store repair {loc.url} --undo {aside.id}"
         return report
     finally:
         if lock is None:
             held.release()
 
 
-def _check_manifest(loc: Location, rows_file: str) -> str:
+class Quarantine:
+    """`<store>/quarantine/<id>/`: the manifest as it was before a repair, the segments it took out
+    of the store (`segments/<name>`, moved whole), and `repair.json` saying what it did."""
+
+    def __init__(self, loc: Location):
+        self.loc = loc
+        self.id = f"{now_iso().replace(':', '').replace('+0000', 'Z')}-{uuid.uuid4().hex[:6]}"
+        self.dir = f"{QUARANTINE}/{self.id}"
+        try:
+            self.before: bytes | None = loc.read_bytes(MANIFEST)
+        except FileNotFoundError:
+            self.before = None
+        self.log: dict = {"manifest_before": self.before is not None, "moved": {}, "created": [],
+                          "commits_written": []}
+        self.started = False
+
+    def begin(self) -> None:
+        """Before the first change: the old manifest goes aside, so that `undo` can put it back."""
+        if not self.started:
+            if self.before is not None:
+                self.loc.write_bytes(f"{self.dir}/{MANIFEST}", self.before)
+            self.started = True
+            self.save()
+
+    def move(self, name: str, why: str) -> None:
+        self.begin()
+        if self.loc.exists(segment_dir(name)):
+            dst = self.loc.path(f"{self.dir}/{segment_dir(name)}")
+            self.loc.fs.mkdirs(dst.rsplit("/", 1)[0], exist_ok=True)
+            self.loc.fs.mv(self.loc.path(segment_dir(name)), dst, recursive=True)
+        self.log["moved"][name] = why
+        self.save()
+
+    def note(self, key: str, name: str) -> None:
+        self.begin()
+        self.log[key].append(name)
+        self.save()
+
+    def save(self) -> None:
+        self.loc.write_json_atomic(f"{self.dir}/repair.json", self.log)
+
+
+def _check_manifest(loc: Location, rows_file: str, aside: Quarantine) -> str:
     try:
         segments.load_manifest(loc)
         return "ok"
     except StoreCorruptError:
-        count = rebuild_manifest(loc, rows_file)
-        return f"rebuilt from {count} commit records"
+        count = rebuild_manifest(loc, rows_file, aside)
+        again = len(aside.log["commits_written"])
+        return f"rebuilt from {count} commit records" + (f" ({again} written again from row tables)" if again else "")
 
 
-def rebuild_manifest(loc: Location, rows_file: str) -> int:
+def rebuild_manifest(loc: Location, rows_file: str, aside: Quarantine | None = None) -> int:
     """A new manifest listing every readable committed segment in commit order, except
     segments a repair replaced or a compaction merged (those are kept as retired, for the
-    grace period, as compaction keeps them). Returns how many it lists."""
-    found = [(name, *read_committed(loc, name, rows_file)) for name in segments.committed_segments(loc)]
-    entries = [entry for _, entry, _ in found if entry is not None]
-    replaced = {(e.get("run_info") or {}).get("repaired_from") for e in entries}
-    merged = {name for e in entries for name in (e.get("run_info") or {}).get("merged", [])}
+    grace period, as compaction keeps them). A segment with a readable row table but no
+    commit record gets one again and is listed after them; one with neither, or whose
+    record disagrees with its table, goes to the quarantine. Returns how many it lists."""
+    aside = aside or Quarantine(loc)
+    aside.begin()
+    found = {name: read_committed(loc, name, rows_file) for name in segments.segment_names(loc)}
+    entries = [entry for entry, _ in found.values() if entry is not None]
+    replaced = {repaired_from(e) for e in entries}
+    merged = {name for e in entries for name in merged_from(e)}
     listed = sorted((e for e in entries if e["name"] not in replaced | merged),
                     key=lambda e: (str(e.get("committed")), e["name"]))
+    for name, (entry, _) in found.items():
+        if entry is None and name in replaced | merged:  # a source whose deletion was cut short: all held
+            aside.move(name, "a source of a merged or repaired segment, found without its commit record")
+        elif entry is None:
+            adopted = _commit_again(loc, name, rows_file, aside)
+            if adopted is not None:
+                listed.append(adopted)
     stamp = now_iso()
     retired = [{"name": e["name"], "retired": stamp} for e in entries if e["name"] in merged - replaced]
     manifest = {**segments.empty_manifest(), "generation": 1, "segments": listed}
@@ -115,58 +189,95 @@ def rebuild_manifest(loc: Location, rows_file: str) -> int:
     return len(listed)
 
 
-def _drop_unreadable(loc: Location, rows_file: str) -> list[str]:
-    """Listed segments whose row table does not load: nothing of them can be read or named."""
+def _commit_again(loc: Location, name: str, rows_file: str, aside: Quarantine) -> dict | None:
+    """A commit record written again from a segment's row table (None: moved to the quarantine)."""
+    if loc.exists(segment_file(name, COMMIT)):
+        aside.move(name, "its commit record disagrees with its row table, or does not read")
+        return None
+    try:
+        (table,) = segments.load_tables(loc, [name], rows_file)
+    except StoreCorruptError:
+        aside.move(name, f"no commit record, and its {rows_file} does not read")
+        return None
+    ends = table.offsets + table.tokens
+    tokens, extent = int(table.tokens.sum()), int(ends.max()) if len(table) else 0
+    entry = {"name": name, "rows": len(table), "tokens": tokens,
+             "bytes": {k: loc.size(f"{segment_dir(name)}/{k}") for k in _kinds(loc, name)},
+             "committed": now_iso(), "run_info": {"tool": TOOL, "commit_rewritten": True}}
+    if extent != tokens:
+        entry["token_extent"] = extent
+    loc.write_json_atomic(segment_file(name, COMMIT), entry)
+    aside.note("commits_written", name)
+    return entry
+
+
+def _kinds(loc: Location, name: str) -> list[str]:
+    return [k for k in loc.list_names(segment_dir(name)) if k not in (ROWS, ROWS_BIN, CONTENT, COMMIT)]
+
+
+def _drop_unreadable(loc: Location, rows_file: str, aside: Quarantine) -> list[str]:
+    """Listed segments whose row table does not load: nothing of them can be read or named here.
+    Out of the manifest, and what is left of them into the quarantine."""
     manifest = segments.load_manifest(loc)
-    bad = []
-    for entry in manifest["segments"]:
-        try:
-            segments.load_tables(loc, [entry["name"]], rows_file)
-        except (OSError, StoreCorruptError):
-            bad.append(entry["name"])
-    if bad:
-        _replace_entries(loc, {name: None for name in bad})
-    return bad
+    _, missing = segments.load_tables_tolerant(loc, [e["name"] for e in manifest["segments"]], rows_file)
+    if missing:
+        aside.begin()
+        _replace_entries(loc, {name: None for name in missing})
+        for name, why in missing.items():
+            aside.move(name, why)
+    return list(missing)
 
 
-def _drop_damaged(store, report: RepairReport) -> None:
+ROW_PROVEN = {"chunk", "checksum", "shard_missing", "array_short", "duplicate"}  # a row's own damage, proven
+JUDGED_WHOLE = {"offsets", "rows_mismatch", "arrays", "content"}  # the segment cannot be judged row by row
+
+
+def _drop_damaged(store, report: RepairReport, aside: Quarantine) -> None:
     found = store.verify()
     drop: dict[str, dict[int, str]] = {}
+    whole: dict[str, str] = {}
     for p in found["problems"]:
-        for row in _rows_of(store, p):
-            drop.setdefault(p["segment"], {}).setdefault(row, p["problem"])
-    if not drop:
-        return
+        if p["code"] == "commit_missing":  # listed, so committed: write its record again
+            _restore_commit(store, p["segment"], aside)
+        elif p["code"] == "entry":
+            report.entries_fixed.append(p["segment"])
+        elif p["code"] in ROW_PROVEN and p.get("row") is not None:
+            drop.setdefault(p["segment"], {}).setdefault(p["row"], p["problem"])
+        elif p["code"] in JUDGED_WHOLE or p["code"] == "segment_missing":
+            whole.setdefault(p["segment"], p["problem"])
+    if report.entries_fixed:
+        aside.begin()
+        _replace_entries(store.loc, {n: store.loc.read_json(segment_file(n, COMMIT)) for n in report.entries_fixed})
     tables = {t.segment: t for t in store.tables}
-    replacements: dict[str, dict | None] = {}
+    replacements: dict[str, dict | None] = {name: None for name in whole}
     for seg, reasons in drop.items():
+        if seg in whole:
+            continue
         table = tables[seg]
         kept = _content_rows(store, table)
         for row, reason in sorted(reasons.items()):
             report.dropped.append({"passage": table.ids[row], "segment": seg, "reason": reason})
             if kept is not None and not reason.startswith("duplicate id"):  # a shadowed row is not lost
                 report.dropped_rows.append(kept[row])
-        replacements[seg] = _rewrite_without(store, table, set(reasons), kept)
+        replacements[seg] = _rewrite_without(store, table, set(reasons), kept, aside)
+    if not replacements:
+        return
+    aside.begin()
     _replace_entries(store.loc, replacements)
-    for seg in replacements:
-        segments.delete_segment(store.loc, seg)
-    report.rewritten = {seg: (e["name"] if e else None) for seg, e in replacements.items()}
+    for seg, why in whole.items():
+        report.unchecked += [{"passage": pid, "segment": seg, "reason": why} for pid in tables[seg].ids]
+        aside.move(seg, f"{why} (its {len(tables[seg])} passages could not be checked one by one)")
+    for seg in drop:
+        if seg not in whole:
+            new = replacements[seg]
+            aside.move(seg, f"replaced by {new['name'] if new else 'nothing'}, without {len(drop[seg])} damaged rows")
+    report.rewritten = {seg: (e["name"] if e else None) for seg, e in replacements.items() if seg not in whole}
 
 
-def _rows_of(store, problem: dict) -> list[int]:
-    """Rows a verify problem condemns: its passage's row, or the whole segment."""
-    table = next(t for t in store.tables if t.segment == problem["segment"])
-    if problem.get("row") is not None:
-        return [problem["row"]]
-    if problem["code"] == "commit_missing":  # listed, so committed: write its record again
-        _restore_commit(store, table.segment)
-        return []
-    return list(range(len(table)))
-
-
-def _restore_commit(store, name: str) -> None:
+def _restore_commit(store, name: str, aside: Quarantine) -> None:
     entry = next(e for e in store.segments if e["name"] == name)
     store.loc.write_json_atomic(segment_file(name, COMMIT), entry)
+    aside.note("commits_written", name)
 
 
 def _content_rows(store, table: SegmentTable) -> list[PassageRow] | None:
@@ -177,13 +288,15 @@ def _content_rows(store, table: SegmentTable) -> list[PassageRow] | None:
     return [table.row(i) for i in range(len(table))]
 
 
-def _rewrite_without(store, table: SegmentTable, drop: set[int], rows: list[PassageRow] | None) -> dict | None:
+def _rewrite_without(store, table: SegmentTable, drop: set[int], rows: list[PassageRow] | None,
+                     aside: Quarantine) -> dict | None:
     """A copy of segment `table` without rows `drop` (None when nothing is left)."""
     keep = [i for i in range(len(table)) if i not in drop]
     if not keep:
         return None
     loc, old = store.loc, table.segment
     new = new_segment_name()
+    aside.note("created", new)  # before its first file: `undo` removes it even when the repair stops half-way
     for kind in store.kinds:
         _copy_tree(loc, f"{segment_dir(old)}/{kind}", f"{segment_dir(new)}/{kind}")
     sub = _subset(table, keep, new)
@@ -224,8 +337,49 @@ def _replace_entries(loc: Location, replacements: dict[str, dict | None]) -> Non
             entries.append(entry)
         elif replacements[entry["name"]] is not None:
             entries.append(replacements[entry["name"]])
-    manifest.update(segments=entries, generation=int(manifest.get("generation", 0)) + 1, updated=now_iso())
+    manifest.update(segments=entries, generation=manifest.get("generation", 0) + 1, updated=now_iso())
     loc.write_json_atomic(MANIFEST, manifest)
+
+
+def undo(url, repair_id: str, storage_options: dict | None = None, lock=None) -> list[str]:
+    """Put the store back as it was before repair `repair_id`: the segments it created are removed
+    (copies of what it moved aside), the commit records it wrote removed, the segments it moved
+    aside moved back, the manifest it replaced restored. Returns lines saying what was done."""
+    from cachegraft_cli.store.lock import WriterLock
+
+    loc = Location.from_url(url, storage_options)
+    where = f"{QUARANTINE}/{repair_id}"
+    if not segments.valid_name(repair_id) or not loc.exists(f"{where}/repair.json"):
+        known = ", ".join(loc.list_names(QUARANTINE)) or "none"
+        raise StoreError(f"{loc.url} has no repair {repair_id!r} to undo (repairs kept there: {known}).",
+                         hint=f"Use an id from `ls {loc.path(QUARANTINE)}`.")
+    log = loc.read_json(f"{where}/repair.json")
+    clash = [n for n in log["moved"] if loc.exists(segment_dir(n))]
+    if clash:
+        raise StoreError(f"segment {clash[0]} is in {loc.url}/segments and in the quarantine; nothing was undone.",
+                         hint="Move one of them away by hand first.")
+    held = lock or WriterLock(loc, {"tool": f"{TOOL} --undo"}).acquire()
+    try:
+        for name in log["created"]:
+            segments.delete_segment(loc, name)
+        for name in log["commits_written"]:
+            if name not in log["moved"]:
+                loc.remove(segment_file(name, COMMIT))
+        for name in log["moved"]:
+            if loc.exists(f"{where}/{segment_dir(name)}"):
+                loc.fs.mv(loc.path(f"{where}/{segment_dir(name)}"), loc.path(segment_dir(name)), recursive=True)
+        if log["manifest_before"]:
+            loc.write_bytes_atomic(MANIFEST, loc.read_bytes(f"{where}/{MANIFEST}"))
+        else:
+            loc.remove(MANIFEST)
+        loc.remove(where)
+    finally:
+        if lock is None:
+            held.release()
+    return [f"removed segment {n} (a copy this repair made)" for n in log["created"]] + \
+        [f"moved segment {n} back" for n in log["moved"]] + \
+        [f"restored manifest.json as it was before repair {repair_id}" if log["manifest_before"]
+         else "removed the manifest this repair rebuilt (there was none before)"]
 
 
 def describe(report: RepairReport) -> list[str]:
@@ -233,12 +387,20 @@ def describe(report: RepairReport) -> list[str]:
     lines = []
     if report.manifest != "ok":
         lines.append(f"manifest.json {report.manifest}")
-    lines += [f"segment {n}: its row table is unreadable; dropped from the manifest" for n in report.unreadable]
+    lines += [f"segment {n}: its row table does not read; taken out of the manifest" for n in report.unreadable]
+    lines += [f"segment {n}: the manifest entry disagreed with its commit record; written again from it"
+              for n in report.entries_fixed]
+    lines += [f"segment {n}: its commit record was missing; written again" for n in report.commits_written]
     lines += [f"segment {n}: committed but unlisted; added to the manifest" for n in report.adopted]
     lines += [f"segment {n}: superseded, unlisted; deleted" for n in report.retired]
     lines += [f"dropped passage {d['passage']!r} of segment {d['segment']}: {d['reason']}" for d in report.dropped]
     for old, new in report.rewritten.items():
         lines.append(f"segment {old} replaced by {new}" if new else f"segment {old} removed (nothing left in it)")
+    lines += [f"segment {n} moved to the quarantine: {why}" for n, why in report.quarantined.items()]
+    lines += [f"passage {u['passage']!r} of segment {u['segment']} could not be checked: kept in the quarantine"
+              for u in report.unchecked]
+    if report.quarantine:
+        lines.append(f"everything taken out is kept in {report.quarantine}; undo this repair with `{report.undo}`")
     return lines
 
 

@@ -19,7 +19,7 @@ def info(store) -> dict:
     ident = store.identity
     entries = store.segments
     tokens = sum(e["tokens"] for e in entries)
-    per_kind = {k: sum(e["bytes"].get(k, 0) for e in entries) for k in store.kinds}
+    per_kind = {k: sum((e.get("bytes") or {}).get(k, 0) for e in entries) for k in store.kinds}
     raw = raw_bf16_bytes_per_token(store.geometry)
     measured = {k: (b / tokens if tokens else None) for k, b in per_kind.items()}
     passage_tokens = _passage_tokens(store)
@@ -53,4 +53,5 @@ def info(store) -> dict:
         "compressor": store.compressor,
         "segments": {"count": len(entries), "list": [_segment_summary(e) for e in entries]},
         "writer": read_holder(store.loc) if is_held(store.loc) else None,
+        "quarantine": store.loc.list_names("quarantine"),  # repairs whose removals are kept (`repair --undo ID`)
     }

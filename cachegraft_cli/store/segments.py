@@ -28,22 +28,26 @@ def empty_manifest() -> dict:
 
 
 def load_manifest(loc: Location) -> dict:
-    """The committed segments. A missing manifest means an empty store only when no
-    segment has a commit record: otherwise it was lost, and nothing may be collected."""
+    """The committed segments. A missing manifest means an empty store only when there are no
+    segments: otherwise it was lost, and nothing may be collected. A manifest that does not
+    follow the schema (`manifest_problem`) is refused whole, naming the first bad field: a
+    writer acting on it could drop or delete segments."""
     try:
         manifest = loc.read_json(MANIFEST)
     except FileNotFoundError:
-        committed = committed_segments(loc)
-        if committed:
+        on_disk = segment_names(loc)
+        if on_disk:
+            committed = committed_segments(loc)
             raise StoreCorruptError(
-                f"{loc.url}/{MANIFEST} is missing, but {len(committed)} committed segments are on disk.",
-                hint=_REPAIR_HINT.format(url=loc.url)) from None
+                f"{loc.url}/{MANIFEST} is missing, but {len(on_disk)} segments are on disk "
+                f"({len(committed)} with a commit record).", hint=_REPAIR_HINT.format(url=loc.url)) from None
         return empty_manifest()
     except ValueError as exc:
         raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not valid JSON: {exc}.",
                                 hint=_REPAIR_HINT.format(url=loc.url)) from None
-    if not _well_formed(manifest):
-        raise StoreCorruptError(f"{loc.url}/{MANIFEST} does not list segments as a manifest does.",
+    problem = manifest_problem(manifest)
+    if problem:
+        raise StoreCorruptError(f"{loc.url}/{MANIFEST} is not a valid manifest: {problem}.",
                                 hint=_REPAIR_HINT.format(url=loc.url))
     return manifest
 
@@ -51,18 +55,87 @@ def load_manifest(loc: Location) -> dict:
 _REPAIR_HINT = "Rebuild it from the segments' commit records with `cachegraft store repair {url}`."
 
 
-def _well_formed(manifest) -> bool:
-    entries = manifest.get("segments") if isinstance(manifest, dict) else None
-    return isinstance(entries, list) and all(
-        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("rows"), int)
-        and isinstance(e.get("tokens"), int) for e in entries)
+def segment_names(loc: Location) -> list[str]:
+    """Every segment directory on disk, listed or not."""
+    return [name for name in loc.list_names(SEGMENTS) if name != "zarr.json" and not is_temp(name)]
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def valid_name(name) -> bool:
+    """A segment name is one path component: never empty, `.`-led or holding a separator."""
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and name != "zarr.json" \
+        and not any(c in name for c in "/\\\0")
+
+
+def _entry_problem(entry) -> str | None:
+    if not isinstance(entry, dict):
+        return "is not an object"
+    if not valid_name(entry.get("name")):
+        return f"has no valid name ({entry.get('name')!r})"
+    for key in ("rows", "tokens"):
+        if not _count(entry.get(key)):
+            return f"has {key}={entry.get(key)!r} (a count >= 0 is required)"
+    if "token_extent" in entry and not (_count(entry["token_extent"]) and entry["token_extent"] >= entry["tokens"]):
+        return f"has token_extent={entry['token_extent']!r} (a count >= its tokens is required)"
+    if not isinstance(entry.get("run_info", {}), dict):
+        return f"has run_info={entry['run_info']!r} (an object is required)"
+    nbytes = entry.get("bytes", {})
+    if not isinstance(nbytes, dict) or not all(isinstance(k, str) and _count(v) for k, v in nbytes.items()):
+        return f"has bytes={nbytes!r} (an object of byte counts per cache kind is required)"
+    return None
+
+
+def _retired_problem(record) -> str | None:
+    if not isinstance(record, dict) or not valid_name(record.get("name")):
+        return "is not {name, retired}"
+    if parse_time(record.get("retired")) is None:
+        return f"has retired={record.get('retired')!r} (an ISO time with its zone is required)"
+    return None
+
+
+def parse_time(value):
+    """An aware datetime from an ISO string, or None."""
+    import datetime as dt
+
+    try:
+        stamp = dt.datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return stamp if stamp is not None and stamp.tzinfo is not None else None
+
+
+def manifest_problem(manifest) -> str | None:
+    """What makes `manifest` unusable (the first problem found), or None when it follows the schema."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("segments"), list):
+        return "it does not list segments"
+    for key in ("generation", "format_version"):
+        if key in manifest and not _count(manifest[key]):
+            return f"{key} is {manifest[key]!r} (a count >= 0 is required)"
+    seen: set[str] = set()
+    for i, entry in enumerate(manifest["segments"]):
+        problem = _entry_problem(entry)
+        if problem:
+            return f"segments[{i}] {problem}"
+        if entry["name"] in seen:
+            return f"segments[{i}] lists {entry['name']} a second time"
+        seen.add(entry["name"])
+    retired = manifest.get("retired", [])
+    if not isinstance(retired, list):
+        return f"retired is {type(retired).__name__}, not a list"
+    for i, record in enumerate(retired):
+        problem = _retired_problem(record)
+        if problem:
+            return f"retired[{i}] {problem}"
+    return None
 
 
 def committed_segments(loc: Location, skip: set[str] | frozenset = frozenset()) -> list[str]:
     """Segments on disk with a commit record (complete), except those in `skip` (not even asked
     about: one request per segment counts on object stores)."""
-    return [name for name in loc.list_names(SEGMENTS)
-            if name != "zarr.json" and name not in skip and loc.exists(segment_file(name, COMMIT))]
+    return [name for name in segment_names(loc) if name not in skip and loc.exists(segment_file(name, COMMIT))]
 
 
 def listed_names(manifest: dict) -> set[str]:
@@ -75,7 +148,7 @@ def append_to_manifest(loc: Location, entry: dict) -> dict:
     """Re-read under the writer lock, add one segment, replace atomically. O(segments)."""
     manifest = load_manifest(loc)
     manifest["segments"].append(entry)
-    manifest["generation"] = int(manifest.get("generation", 0)) + 1
+    manifest["generation"] = manifest.get("generation", 0) + 1
     manifest["updated"] = now_iso()
     loc.write_json_atomic(MANIFEST, manifest)
     return manifest
@@ -109,8 +182,45 @@ def delete_segment(loc: Location, name: str) -> None:
 
 
 def load_tables(loc: Location, names: list[str], file: str) -> list[SegmentTable]:
-    blobs = loc.read_many([segment_file(n, file) for n in names])
-    return [parse_table(name, file, blob) for name, blob in zip(names, blobs)]
+    """The row tables of `names`; StoreCorruptError naming the first that does not read."""
+    tables, missing = load_tables_tolerant(loc, names, file)
+    if missing:
+        name, why = next(iter(missing.items()))
+        raise StoreCorruptError(f"segment {name} of {loc.url}: {why}.", hint=_REPAIR_HINT.format(url=loc.url))
+    return tables
+
+
+def load_tables_tolerant(loc: Location, names: list[str], file: str) -> tuple[list[SegmentTable], dict[str, str]]:
+    """The row tables of `names` (an empty table in place of each that does not read), and why each
+    of those did not: {name: reason}. One batch when all read (concurrent on object stores)."""
+    try:
+        blobs = loc.read_many([segment_file(n, file) for n in names])
+        return [parse_table(name, file, blob) for name, blob in zip(names, blobs)], {}
+    except (OSError, StoreCorruptError):
+        pass  # find which, one by one
+    tables, missing = [], {}
+    for name in names:
+        try:
+            tables.append(parse_table(name, file, loc.read_bytes(segment_file(name, file))))
+        except FileNotFoundError:
+            gone = not loc.exists(segment_dir(name))
+            missing[name] = "its directory is missing" if gone else f"its {file} is missing"
+            tables.append(empty_table(name))
+        except StoreCorruptError:
+            missing[name] = f"its {file} does not parse"
+            tables.append(empty_table(name))
+        except OSError as exc:
+            missing[name] = f"its {file} does not read ({exc.strerror or exc})"
+            tables.append(empty_table(name))
+    return tables, missing
+
+
+def empty_table(name: str) -> SegmentTable:
+    import numpy as np
+
+    none = np.zeros(0, dtype=np.int64)
+    return SegmentTable(name, [], np.zeros(0, dtype="S64"), none, none.copy(), [], none.copy(), [],
+                        np.zeros((0, 0), dtype=np.uint32))
 
 
 def write_table(loc: Location, table: SegmentTable, file: str) -> None:
@@ -122,7 +232,11 @@ def write_table(loc: Location, table: SegmentTable, file: str) -> None:
 
 def load_content(loc: Location, tables: list[SegmentTable]) -> None:
     missing = [t for t in tables if t.content is None]
-    blobs = loc.read_many([segment_file(t.segment, CONTENT) for t in missing])
+    try:
+        blobs = loc.read_many([segment_file(t.segment, CONTENT) for t in missing])
+    except FileNotFoundError as exc:
+        raise StoreCorruptError(f"a {CONTENT} of {loc.url} is missing ({exc.filename or exc}).",
+                                hint=f"Run `cachegraft store verify {loc.url}` for details.") from None
     for table, blob in zip(missing, blobs):
         try:
             table.content = json.loads(blob)["columns"]

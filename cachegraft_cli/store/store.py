@@ -50,8 +50,10 @@ class CacheStore:
         self._bases: list[int] = []  # global row of each table's first row
         self._hashes: set[bytes] | None = None  # built on first has_hash (encode planning only)
         self.rows_file = rows_file(meta.get("format_version", 1))
-        names = [s["name"] for s in manifest["segments"]]
-        for entry, table in zip(manifest["segments"], segments.load_tables(loc, names, self.rows_file)):
+        self.missing: dict[str, str] = {}  # listed segments whose row table does not read: {name: why}
+        self._listed = [s["name"] for s in manifest["segments"]]
+        tables, self.missing = segments.load_tables_tolerant(loc, self._listed, self.rows_file)
+        for entry, table in zip(manifest["segments"], tables):
             self.adopt(entry, table)
 
     # -- create / open ----------------------------------------------------------
@@ -76,11 +78,33 @@ class CacheStore:
         return cls.open(url, storage_options=storage_options)
 
     @classmethod
-    def open(cls, url, expect: dict | None = None, storage_options: dict | None = None) -> "CacheStore":
+    def open(cls, url, expect: dict | None = None, storage_options: dict | None = None,
+             partial: bool = False) -> "CacheStore":
+        """A snapshot of the store. A listed segment whose row table does not read is refused
+        (`StoreCorruptError`, pointing at `store repair`) unless `partial`: readers (`ask`,
+        `verify`) then go on with the other segments, and `missing` names it."""
         loc = Location.from_url(url, storage_options)
         meta = read_meta(loc)
         ident_mod.check(loc.url, meta["identity"], expect)
-        return cls(loc, meta, segments.load_manifest(loc))
+        for _ in range(3):  # a writer that replaced the manifest meanwhile (compaction): take the new one
+            manifest = segments.load_manifest(loc)
+            store = cls(loc, meta, manifest)
+            if not store.missing or segments.load_manifest(loc)["segments"] == manifest["segments"]:
+                break
+        if store.missing and not partial:
+            raise store.missing_error()
+        return store
+
+    def missing_error(self, passage_id: str | None = None) -> StoreCorruptError:
+        """The typed error for listed segments that do not read (and a passage looked for there)."""
+        name, why = next(iter(self.missing.items()))
+        entry = next(e for e in self._entries if e["name"] == name)
+        more = f" (and {len(self.missing) - 1} more segments)" if len(self.missing) > 1 else ""
+        lead = f"passage {passage_id!r} cannot be read: " if passage_id is not None else ""
+        return StoreCorruptError(
+            f"{lead}segment {name} of {self.loc.url} is listed with {entry['rows']} passages, but {why}{more}.",
+            hint=f"Run `cachegraft store verify {self.loc.url}` to see which passages, then "
+                 f"`cachegraft store repair {self.loc.url}` (it keeps what is left of the segment aside).")
 
     def refresh(self) -> CacheStore:
         """Catch up with the manifest as it is now (a writer calls this once it holds the lock,
@@ -88,13 +112,23 @@ class CacheStore:
         manifest = segments.load_manifest(self.loc)
         names = [s["name"] for s in manifest["segments"]]
         mine = [e["name"] for e in self._entries]
-        if names[:len(mine)] != mine:  # segments were replaced (repair): start over
+        if names[:len(mine)] != mine or self.missing:  # segments were replaced (repair, compaction): start over
             self.__init__(self.loc, self.meta, manifest)  # type: ignore[misc]
             return self
         new = manifest["segments"][len(mine):]
         for entry, table in zip(new, segments.load_tables(self.loc, [e["name"] for e in new], self.rows_file)):
             self.adopt(entry, table)
+            self._listed.append(entry["name"])
         return self
+
+    def moved_on(self) -> bool:
+        """Whether the manifest lists other segments than this snapshot read (a compaction or repair
+        since): a read that failed may then have lost a race, not met damage."""
+        try:
+            names = [s["name"] for s in segments.load_manifest(self.loc)["segments"]]
+        except StoreError:
+            return False
+        return names != self._listed
 
     @staticmethod
     def check_exists(url, storage_options: dict | None = None) -> dict:
@@ -142,6 +176,15 @@ class CacheStore:
                 zip(self._where, map(self._split, self._where.values()))}
 
     def get_rows(self, ids: list[str]) -> list[PassageRow]:
+        try:
+            return self._get_rows(ids)
+        except (OSError, StoreError):
+            if not self.moved_on():  # see `read`
+                raise
+        self.refresh()
+        return self._get_rows(ids)
+
+    def _get_rows(self, ids: list[str]) -> list[PassageRow]:
         found = [self._locate(pid) for pid in ids]
         segments.load_content(self.loc, [self._tables[ti] for ti in sorted({ti for ti, _ in found})])
         return [self._tables[ti].row(ri) for ti, ri in found]
@@ -150,6 +193,8 @@ class CacheStore:
         try:
             return self._split(self._where[passage_id])
         except KeyError:
+            if self.missing:  # it may be in a segment whose rows cannot be read
+                raise self.missing_error(passage_id) from None
             raise StoreError(f"passage {passage_id!r} is not in store {self.loc.url}.",
                              hint=f"List what it holds with `cachegraft store info {self.loc.url}`.") from None
 
@@ -188,15 +233,31 @@ class CacheStore:
         return np.asarray(zarr.open_array(store=self.zarr_store(), path=PREFIX, mode="r")[...], dtype=np.float32)
 
     def read(self, ids: list[str], kind: str = "fused", check: bool = True) -> list[np.ndarray]:
-        """Decoded float32 caches `(tokens, layers, 2, kv_heads, head_dim)`, touching only their chunks."""
+        """Decoded float32 caches `(tokens, layers, 2, kv_heads, head_dim)`, touching only their chunks.
+        A read that fails after a writer replaced segments this snapshot lists (compaction with no
+        grace, repair) is not damage: the snapshot catches up with the manifest and reads again."""
+        try:
+            return self._read(ids, kind, check)
+        except Exception:  # damage, or the files of a segment a writer removed meanwhile
+            if not self.moved_on():
+                raise
+        self.refresh()
+        return self._read(ids, kind, check)
+
+    def _read(self, ids: list[str], kind: str, check: bool) -> list[np.ndarray]:
         if kind not in self.kinds:
             raise StoreError(f"store {self.loc.url} has no {kind!r} caches (it holds {', '.join(self.kinds)}).",
                              hint="Re-encode into a store made with that cache kind.")
         found = [self._locate(pid) for pid in ids]
         comps = self.codec.components()
         spans = [self._tables[ti].span(ri) for ti, ri in found]
-        requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
-                    for (ti, _), span in zip(found, spans) for c in comps]
+        try:
+            requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
+                        for (ti, _), span in zip(found, spans) for c in comps]
+        except Exception as exc:  # noqa: BLE001 - an array whose metadata is gone: name the passages
+            from cachegraft_cli.store.damage import corrupt_error
+
+            raise corrupt_error(self, ids, kind, f"its arrays do not open: {str(exc).splitlines()[0][:120]}") from None
         try:
             flat = _read_ranges(requests)
         except Exception as exc:  # noqa: BLE001 - a chunk that fails to decode: name the passages it holds

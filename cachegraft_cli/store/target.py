@@ -87,6 +87,8 @@ class Target:
                 self.store = _open(self.loc)
             if self.store is not None:
                 recover(self.store)  # committed-but-unlisted segments count as stored before a plan is made
+                if self.store.missing:
+                    raise self.store.missing_error()
             yield lock
 
     def create(self, identity: dict, prefix: np.ndarray, kinds: tuple[str, ...]) -> CacheStore:
@@ -105,7 +107,10 @@ def _open(loc: Location) -> CacheStore | None:
         meta = read_meta(loc)
     except StoreNotFoundError:
         return None  # nothing there yet, or a creation that was killed: encode makes it
-    return CacheStore(loc, meta, segments.load_manifest(loc))  # a lost manifest is refused here
+    store = CacheStore(loc, meta, segments.load_manifest(loc))  # a lost or malformed manifest is refused here
+    if store.missing:  # a listed segment whose row table is gone: `store repair` first
+        raise store.missing_error()
+    return store
 
 
 def _check_local_path(loc: Location) -> None:

@@ -2,8 +2,9 @@
 
 Each problem names its segment and, where it is one passage's, the passage
 and its row; `code` says what kind of problem it is (for `store repair`):
-`commit_missing`, `rows_mismatch`, `offsets`, `content`, `arrays`,
-`shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`.
+`segment_missing` (its row table does not read), `commit_missing`, `entry` (the manifest
+entry disagrees with a commit record that fits the row table), `rows_mismatch`, `offsets`,
+`content`, `arrays`, `shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, segment_fil
 def verify(store, progress=None) -> dict:
     """Report problems naming segment and passage; never raises for damage (the CLI does)."""
     problems: list[dict] = []
-    total = sum(e["tokens"] for e in store.segments) * len(store.kinds)
+    total = sum(e["tokens"] for e in store.segments if e["name"] not in store.missing) * len(store.kinds)
     done = [0]
 
     def advance(n: int) -> None:
@@ -28,6 +29,10 @@ def verify(store, progress=None) -> dict:
             progress(done[0], total)
 
     for table, entry in zip(store.tables, store.segments):
+        if table.segment in store.missing:
+            problems.append(_problem(table, None, None, None, f"{store.missing[table.segment]}: its "
+                                     f"{entry['rows']} passages cannot be read or named from it", "segment_missing"))
+            continue
         problems += _check_table(store, table, entry)
         for kind in store.kinds:
             problems += _check_kind(store, table, kind, advance)
@@ -47,22 +52,56 @@ def _check_table(store, table, entry) -> list[dict]:
     out = []
     if not store.loc.exists(segment_file(table.segment, COMMIT)):
         out.append(_problem(table, None, None, None, "commit.json is missing", "commit_missing"))
+    else:
+        record = _commit_record(store, table.segment) or {}
+        keys = [k for k in _SIZES if record and entry.get(k) != record.get(k)]
+        if keys and _fits(table, record):  # the manifest entry is wrong, not the segment
+            said = ", ".join(f"{k}={entry.get(k)!r}" for k in keys)
+            found = ", ".join(f"{k}={record.get(k)!r}" for k in keys)
+            return [_problem(table, None, None, None, f"the manifest entry says {said}; its commit.json and "
+                             f"{store.rows_file} agree on {found}", "entry")] + _check_content(store, table)
+    out += _check_layout(store, table, entry)
+    out += _check_content(store, table)
+    return out
+
+
+_SIZES = ("rows", "tokens", "token_extent")
+
+
+def _commit_record(store, name: str) -> dict | None:
+    try:
+        record = store.loc.read_json(segment_file(name, COMMIT))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("name") == name else None
+
+
+def _fits(table, entry: dict) -> bool:
+    """Whether an entry (manifest or commit record) describes this row table."""
+    return not _check_layout(None, table, entry)
+
+
+def _check_layout(store, table, entry) -> list[dict]:
+    rows_file = store.rows_file if store is not None else "rows.bin"
+    out = []
+    if not all(isinstance(entry.get(k, 0), int) for k in _SIZES) or not isinstance(entry.get("rows"), int) \
+            or not isinstance(entry.get("tokens"), int):
+        return [_problem(table, None, None, None, "its entry has no valid rows and tokens", "offsets")]
     if "token_extent" in entry:  # compacted or repaired: rows in token order, gaps between them allowed
         ends = table.offsets + table.tokens
         ordered = bool(np.all(table.tokens > 0)) and not np.any(table.offsets[1:] < ends[:-1])
         inside = not len(table) or (int(table.offsets[0]) >= 0 and int(ends[-1]) <= entry["token_extent"])
         if not (ordered and inside) or int(table.tokens.sum()) != entry["tokens"]:
             out.append(_problem(table, None, None, None,
-                                f"{store.rows_file} offsets overlap or leave the segment's tokens", "offsets"))
+                                f"{rows_file} offsets overlap or leave the segment's tokens", "offsets"))
     else:
         offsets = np.concatenate([[0], np.cumsum(table.tokens)])
         if not np.array_equal(offsets[:-1], table.offsets) or offsets[-1] != entry["tokens"]:
-            out.append(_problem(table, None, None, None, f"{store.rows_file} offsets do not tile the segment's tokens",
+            out.append(_problem(table, None, None, None, f"{rows_file} offsets do not tile the segment's tokens",
                                 "offsets"))
     if len(table) != entry["rows"]:
         out.append(_problem(table, None, None, None,
-                            f"{store.rows_file} has {len(table)} rows, manifest says {entry['rows']}", "rows_mismatch"))
-    out += _check_content(store, table)
+                            f"{rows_file} has {len(table)} rows, manifest says {entry['rows']}", "rows_mismatch"))
     return out
 
 

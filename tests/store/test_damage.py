@@ -1,7 +1,7 @@
 """Damage: a chunk truncated, flipped or deleted, the manifest corrupted or lost, the index
 deleted or corrupted. `store verify` names what is affected and fails; `ask` fails cleanly on
 an affected passage and still answers from the others; `store repair` drops the damaged
-passages (or, with --reencode, encodes them again bit-identically) and says which.
+passages (or, with --reencode, encodes them again, equal up to one bf16 rounding step) and says which.
 """
 
 from __future__ import annotations
@@ -89,6 +89,19 @@ def _damage(store: Path, how: str) -> tuple[str, set[str]]:
     return table.segment, hit
 
 
+# Encoding a passage again runs it in another batch (other passages, other padding), and float32
+# matmuls of other shapes round differently in their last bits, by CPU kind (AVX2 vs AVX512 kernels).
+# What is guaranteed: the cache equals the first encode up to one bf16 rounding step of the stored
+# value (2^-8 relative; 2^-7 allowed) plus float32 noise near zero, and its stored checksum verifies.
+REENCODE_RTOL, REENCODE_ATOL = 2.0**-7, 1e-5
+
+
+def _reencoded_like_first(store: CacheStore, pid: str, first: np.ndarray) -> None:
+    got = store.read([pid])[0]  # read() checks the row's crc32 against the stored checksum
+    assert got.shape == first.shape, pid
+    np.testing.assert_allclose(got, first, rtol=REENCODE_RTOL, atol=REENCODE_ATOL, err_msg=pid)
+
+
 def _query(pid: str) -> str:
     word = WORDS[int(pid[1:])]
     return f"what about {word}?"
@@ -120,26 +133,32 @@ def test_damaged_chunk_is_named_isolated_and_repaired(how, store, pristine, caps
         assert np.array_equal(got, pristine["caches"][pid])  # what was kept is untouched
     code, out, err = run(capsys, monkeypatch, "ask", _query(other), "--store", store, "-k", 1, "--max-new-tokens", 2)
     assert code == 0, err  # the index was rebuilt for what is left
-    if how == "flip":  # encoding the corpus again now adds the dropped passages back, bit-identically
+    if how == "flip":  # encoding the corpus again adds the dropped passages back (in another batch)
         code, out, err = run(capsys, monkeypatch, "encode", pristine["corpus"], "--store", store, "--receiver",
                              pristine["receiver"], "--dtype", "float32", "--json")
         assert code == 0 and json.loads(out)["added"] == len(hit), err
         again = CacheStore.open(str(store))
-        assert sorted(again.ids()) == sorted(pristine["caches"])
-        for pid, got in zip(again.ids(), again.read(again.ids())):
-            assert np.array_equal(got, pristine["caches"][pid])
+        assert sorted(again.ids()) == sorted(pristine["caches"]) and again.verify()["ok"]
+        for pid in again.ids():
+            if pid in hit:
+                _reencoded_like_first(again, pid, pristine["caches"][pid])
+            else:  # never re-encoded: the same bytes
+                assert np.array_equal(again.read([pid])[0], pristine["caches"][pid])
     record(faults=1, damage=1)
 
 
-def test_verify_fix_reencode_restores_damaged_passages_bit_identically(store, pristine, capsys, monkeypatch):
+def test_verify_fix_reencode_restores_damaged_passages(store, pristine, capsys, monkeypatch):
     _, hit = _damage(store, "flip")
     code, out, err = run(capsys, monkeypatch, "store", "verify", store, "--fix", "--reencode", "--json")
     result = json.loads(out)
     assert code == 0 and result["ok"] and set(result["reencoded"]) == hit, err
     fixed = CacheStore.open(str(store))
     assert sorted(fixed.ids()) == sorted(pristine["caches"]) and fixed.verify()["ok"]
-    for pid, got in zip(fixed.ids(), fixed.read(fixed.ids())):
-        assert np.array_equal(got, pristine["caches"][pid])
+    for pid in fixed.ids():
+        if pid in hit:
+            _reencoded_like_first(fixed, pid, pristine["caches"][pid])
+        else:
+            assert np.array_equal(fixed.read([pid])[0], pristine["caches"][pid])
     code, out, err = run(capsys, monkeypatch, "ask", _query(min(hit)), "--store", store, "-k", 1,
                          "--max-new-tokens", 2, "--json")
     assert code == 0 and json.loads(out)["passages"][0]["id"] == min(hit), err

@@ -37,6 +37,27 @@ def _schema():
     return builder.build()
 
 
+def writable(root: Path) -> bool:
+    """Whether files can be made in `root` (False on a read-only mount, whoever asks, root included)."""
+    try:
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            return False
+    except OSError:
+        return False
+    return os.access(root, os.W_OK)
+
+
+def read_only_view(root: Path):
+    """A private writable directory whose entries are symlinks to the files of `root`."""
+    from cachegraft_cli.retrieval.engines.files import WorkDir
+
+    view = WorkDir()
+    for entry in os.scandir(root):
+        if entry.is_file() and not entry.name.endswith(".lock"):
+            os.symlink(os.path.abspath(entry.path), view.path / entry.name)
+    return view
+
+
 def _analyzer():
     import tantivy
 
@@ -54,6 +75,7 @@ class TantivyEngine(Engine):
         self._index.register_tokenizer(TOKENIZER, _analyzer())
         self._schema = index.schema
         self._writer = None
+        self.view = None  # a read-only view of the files (`read_only_view`), when the engine reads one
         self._rows = int(params.get("rows", 0))
         self._searcher = index.searcher()
 
@@ -68,7 +90,14 @@ class TantivyEngine(Engine):
     def open(cls, root: Path, params: dict[str, Any]) -> TantivyEngine:
         import tantivy
 
-        return cls(root, params, tantivy.Index.open(str(root)))
+        if writable(root):
+            return cls(root, params, tantivy.Index.open(str(root)))
+        # tantivy takes a lockfile in the index directory even to read; on read-only media it reads
+        # through a private directory of symlinks instead (the index files stay where they are)
+        view = read_only_view(root)
+        engine = cls(root, params, tantivy.Index.open(str(view.path)))
+        engine.view = view  # the symlinks live as long as the engine
+        return engine
 
     @property
     def rows(self) -> int:
@@ -118,6 +147,11 @@ class TantivyEngine(Engine):
         return rows[order], scores[order]
 
     def _writer_now(self):
+        if self.view is not None:
+            from cachegraft_cli.errors import RetrievalIndexError
+
+            raise RetrievalIndexError(f"{self.root} is on read-only media; this index cannot change there.",
+                                      "Copy the store to writable storage to update its index.")
         if self._writer is None:
             threads = max(1, min(2, os.cpu_count() or 1))
             self._writer = self._index.writer(WRITER_HEAP, threads)

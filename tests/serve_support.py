@@ -1,0 +1,98 @@
+"""A `cachegraft serve` app on a free localhost port, in a thread of the test process, over a
+tiny store; and the tiny store itself."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+PASSAGES = [
+    {"id": "harbor", "title": "Harbor town",
+     "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
+    {"id": "treaty", "title": "Treaty",
+     "text": "The treaty was signed in Vienna after long talks between the two empires."},
+    {"id": "photo", "title": "Photosynthesis",
+     "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
+]
+QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what does photosynthesis make?"]
+NEW = {"id": "comet", "title": "Comet", "text": "The comet Velmora returns every seventy years over the northern sky."}
+
+
+def make_store(path, receiver, passages=PASSAGES) -> str:
+    import cachegraft_cli as cg
+
+    cg.encode(list(passages), str(path), receiver=str(receiver), dtype="float32", codec="float32")
+    cg.index(str(path))
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving `build_app` in a thread. `start_worker=False` leaves the engine's worker
+    stopped, so requests stay queued (deterministic queue and disconnect tests) until `.engine.start()`."""
+
+    def __init__(self, stores: dict[str, str], api_key: str | None = None, start_worker: bool = True, **settings):
+        import uvicorn
+
+        from cachegraft_cli.answering.options import AskOptions
+        from cachegraft_cli.lm.sampling import GenerationConfig
+        from cachegraft_cli.serving.engine import Engine, EngineSettings
+        from cachegraft_cli.serving.http import AppConfig, build_app
+        from cachegraft_cli.serving.requests import Limits
+        from cachegraft_cli.serving.run import bind
+
+        limits = {k: settings.pop(k) for k in ("max_k", "max_new_tokens", "max_body") if k in settings}
+        defaults = AskOptions(k=2, generation=GenerationConfig(max_new_tokens=8))
+        self.engine = Engine(stores, settings=EngineSettings(**settings), log=lambda m: None)
+        self.engine.open("graft")
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        app = build_app(self.engine, AppConfig(defaults, Limits(**limits), api_key))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        if start_worker:
+            self.engine.start()
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.start()  # a no-op unless the test left it stopped: queued work is answered, then it ends
+        self.engine.close()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def wait_until(condition, limit: float = 60.0, every: float = 0.02):
+    """Poll `condition` until it is true (a bound so a broken server fails the test instead of hanging it)."""
+    deadline = time.monotonic() + limit
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(every)
+    return value
+
+
+def without_timings(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "timings"}
+
+
+def ask_json(capsys, monkeypatch, store: str, question: str, *args) -> dict:
+    from cli_support import run_cli
+
+    code, out, err = run_cli(capsys, monkeypatch, "ask", question, "--store", store, "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
