@@ -139,9 +139,10 @@ class ModelSession:
             ident["sharer_input"] = "zero"
         return ident
 
-    def identity(self, codec: str) -> dict:
-        """What the store's caches depend on; a store made otherwise is refused."""
-        return {
+    def identity(self, codec: str, keep: dict | None = None) -> dict:
+        """What the store's caches depend on; a store made otherwise is refused. `keep` (a pruned
+        store's ratio and method) is recorded only when tokens are dropped."""
+        ident = {
             "receiver": self.receiver.identity,
             "sharer": self.sharer.identity if self._runs_sharer() else None,
             "fuser": self._fuser_identity(),
@@ -152,8 +153,9 @@ class ModelSession:
             "codec": codec,
             "geometry": self.receiver.geometry.as_dict(),
         }
+        return {**ident, "keep": keep} if keep is not None else ident
 
-    def open_or_create_store(self, target, codec: str, also_own_cache: bool):
+    def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None):
         """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
         or the existing one (identity checked). A store that already keeps own caches goes on
         keeping them, asked or not."""
@@ -168,7 +170,7 @@ class ModelSession:
             check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         with writing(target.name, "create the store"):
-            return target.create(self.identity(codec), prefix, store.kinds if store is not None else kinds)
+            return target.create(self.identity(codec, keep), prefix, store.kinds if store is not None else kinds)
 
     def names_match(self, store) -> bool:
         """Whether this session names the receiver, fuser and (where it ran one) sharer the store

@@ -241,20 +241,23 @@ class Asker:
                 "system.",
             )
         arrays = self.store.read(ids, kind=kind)
+        kept = self.store.positions(ids)  # a pruned store's tokens keep their positions in the passage
         assembly = options.assembly
         needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
-        passage_ids = self._passage_ids(ids, arrays) if needs_ids else []
-        return self._assembler.prompt(arrays, passage_ids, self.session.template.question_ids(question), assembly)
+        passage_ids = self._passage_ids(ids, arrays, kept) if needs_ids else []
+        return self._assembler.prompt(arrays, passage_ids, self.session.template.question_ids(question), assembly,
+                                      kept)
 
-    def _passage_ids(self, ids: list[str], arrays) -> list[list[int]]:
-        """Token ids of the stored passages (re-tokenized), checked against their caches' lengths."""
+    def _passage_ids(self, ids: list[str], arrays, kept) -> list[list[int]]:
+        """Token ids of the stored passages (re-tokenized), checked against their lengths before pruning."""
         template = self.session.template
         out = []
-        for row, array in zip(self.store.get_rows(ids), arrays):
+        for row, array, k in zip(self.store.get_rows(ids), arrays, kept):
             tokens = template.passage_ids(row.title, row.text)
-            if len(tokens) != len(array):
+            if len(tokens) != (len(array) if k is None else k[1]):
                 raise StoreMismatchError(
-                    f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache holds {len(array)}.",
+                    f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache was made from "
+                    f"{len(array) if k is None else k[1]}.",
                     "The tokenizer differs from the one the store was encoded with; "
                     "ask with --recompute 0, or re-encode.",
                 )

@@ -80,20 +80,48 @@ def in_prompt_order(items: Sequence, order: str) -> list:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the prefix and each passage sit in the assembled past (slots and RoPE positions)."""
+    """Where the prefix and each passage sit in the assembled past (slots and RoPE positions).
+
+    A passage of a pruned store (`encode --keep`) fills fewer slots than it spans
+    positions: its stored tokens keep their positions in the passage (`kept`), and the
+    next passage, or the question, starts after the whole passage (`spans`), as if the
+    dropped tokens were there."""
 
     prefix_tokens: int
     starts: tuple[int, ...]  # slot of each passage's first token
-    lengths: tuple[int, ...]
+    lengths: tuple[int, ...]  # slots each passage fills (its stored tokens)
     scheme: str
+    spans: tuple[int, ...] = ()  # positions each passage spans (its tokens before pruning); () = lengths
+    kept: tuple[tuple[int, ...] | None, ...] = ()  # per passage, its stored tokens' positions; None = 0..n-1
 
     @classmethod
-    def of(cls, prefix_tokens: int, lengths: Sequence[int], scheme: str) -> "Layout":
+    def of(cls, prefix_tokens: int, lengths: Sequence[int], scheme: str, kept: Sequence | None = None) -> "Layout":
+        """`kept`: per passage None (stored whole) or (positions of its stored tokens, tokens before
+        pruning), as `CacheStore.positions` gives them."""
         starts, slot = [], prefix_tokens
         for n in lengths:
             starts.append(slot)
             slot += n
-        return cls(prefix_tokens, tuple(starts), tuple(lengths), scheme)
+        kept = list(kept) if kept is not None else [None] * len(lengths)
+        spans = tuple(n if k is None else int(k[1]) for n, k in zip(lengths, kept))
+        positions = tuple(None if k is None else tuple(int(p) for p in k[0]) for k in kept)
+        return cls(prefix_tokens, tuple(starts), tuple(lengths), scheme, spans, positions)
+
+    def span(self, index: int) -> int:
+        return self.spans[index] if self.spans else self.lengths[index]
+
+    def first_position(self, index: int) -> int:
+        """Position of passage `index`'s first token (before pruning)."""
+        if self.scheme != "rotate":
+            return self.prefix_tokens
+        return self.prefix_tokens + sum(self.span(i) for i in range(index))
+
+    def in_passage(self, slot: int) -> tuple[int, int]:
+        """(passage, position of the slot's token within its passage) of a passage slot."""
+        index = self.passage_of(slot)
+        j = slot - self.starts[index]
+        kept = self.kept[index] if self.kept else None
+        return index, (kept[j] if kept is not None else j)
 
     @property
     def past_tokens(self) -> int:
@@ -101,22 +129,23 @@ class Layout:
 
     def offset(self, index: int) -> int:
         """How far passage `index` moves from its canonical positions (0 with `shared`)."""
-        return self.starts[index] - self.prefix_tokens if self.scheme == "rotate" else 0
+        return self.first_position(index) - self.prefix_tokens
 
     def position(self, slot: int) -> int:
-        if self.scheme == "rotate" or slot < self.prefix_tokens:
+        if slot < self.prefix_tokens:
             return slot
-        index = self.passage_of(slot)
-        return self.prefix_tokens + slot - self.starts[index]
+        index, within = self.in_passage(slot)
+        return self.first_position(index) + within
 
     def passage_of(self, slot: int) -> int:
         return max(i for i, s in enumerate(self.starts) if s <= slot)
 
     @property
     def question_start(self) -> int:
-        if self.scheme == "rotate" or not self.lengths:
-            return self.past_tokens
-        return self.prefix_tokens + max(self.lengths)
+        spans = [self.span(i) for i in range(len(self.lengths))]
+        if self.scheme == "rotate" or not spans:
+            return self.prefix_tokens + sum(spans)
+        return self.prefix_tokens + max(spans)
 
     def passage_slots(self, index: int) -> range:
         return range(self.starts[index], self.starts[index] + self.lengths[index])
@@ -173,8 +202,8 @@ def recompute_prompt(
 
 
 def _token_at(layout: Layout, passage_ids, slot: int) -> int:
-    index = layout.passage_of(slot)
-    return passage_ids[index][slot - layout.starts[index]]
+    index, within = layout.in_passage(slot)
+    return passage_ids[index][within]
 
 
 class Assembler:
@@ -187,21 +216,23 @@ class Assembler:
         self.prefix = prefix  # single (unbatched) prefix KV in the receiver's dtype
         self.rotator = kvcache.KeyRotator.for_model(receiver.model)
 
-    def past(self, arrays, scheme: str) -> tuple[PlainKV, Layout]:
-        """Batched past `prefix + passages` (keys re-rotated with `rotate`) and its layout."""
+    def past(self, arrays, scheme: str, kept: Sequence | None = None) -> tuple[PlainKV, Layout]:
+        """Batched past `prefix + passages` (keys re-rotated with `rotate`) and its layout
+        (`kept`: the pruned passages' positions, see `Layout.of`)."""
         from cachegraft_cli.lm import kvcache
 
         r = self.receiver
-        layout = Layout.of(kvcache.num_tokens(self.prefix), [len(a) for a in arrays], scheme)
+        layout = Layout.of(kvcache.num_tokens(self.prefix), [len(a) for a in arrays], scheme, kept)
         parts = [self.prefix]
         for i, array in enumerate(arrays):
             kv = kvcache.from_token_major(array, r.dtype, r.device)
             parts.append(self.rotator.rotate(kv, layout.offset(i)))
         return kvcache.batched(kvcache.concat_tokens(parts)), layout
 
-    def prompt(self, arrays, passage_ids, question_ids: list[int], options: AssemblyOptions) -> Prompt:
-        """`arrays` and `passage_ids` in prompt order."""
-        past, layout = self.past(arrays, options.scheme)
+    def prompt(self, arrays, passage_ids, question_ids: list[int], options: AssemblyOptions,
+               kept: Sequence | None = None) -> Prompt:
+        """`arrays`, `passage_ids` (every token, pruned or not) and `kept` in prompt order."""
+        past, layout = self.past(arrays, options.scheme, kept)
         slots = set(layout.boundary_slots(options.recompute))
         if options.blend > 0 and len(arrays) > 1:
             slots |= set(self.blend_slots(past, layout, passage_ids, options, slots))

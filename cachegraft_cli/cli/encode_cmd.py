@@ -34,6 +34,12 @@ def encode(
         typer.Option(help="bf16 (lossless), int8, int4, k2v4 (2-bit keys, int4 values: 0.21x raw bf16) or int2 "
                      "(2-bit keys and values: 0.16x, coarse values) (default: the store's, bf16 for a new one)."),
     ] = None,
+    keep: Annotated[Optional[float], typer.Option(
+        help="Store only this share of each passage's tokens, e.g. 0.5; kept tokens keep their positions "
+             "(default: the store's, 1 = every token for a new one).")] = None,
+    keep_by: Annotated[Optional[str], typer.Option(
+        help="How --keep chooses tokens: even (evenly spaced, the default), attention (received at the "
+             "receiver's last layers) or norm.")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
         int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")
@@ -76,7 +82,7 @@ def encode(
     from cachegraft_cli.progress import EncodeProgress
 
     # Everything is checked before anything is written or any model loads (the API checks the rest).
-    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every)
+    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every, keep, keep_by)
     runner = _runner(runner, engine)
     ray = _ray_options(runner, address, actors, gpus_per_actor, cpus_per_actor)
     with showing_status(json_out), EncodeProgress(0) as bar:  # the plan sets its total before it shows

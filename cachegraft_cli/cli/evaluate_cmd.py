@@ -21,6 +21,7 @@ from cachegraft_cli.cli.options import (
     SharerOpt,
 )
 from cachegraft_cli.cli.output import emit_json
+from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 
 
 def evaluate(
@@ -40,7 +41,7 @@ def evaluate(
         str,
         typer.Option(help="Comma list of graft, text, cache, closed, sharer-text, adapter; SYSTEM@key=value "
                           "overrides the assembly for one entry, e.g. text@order=retrieval (keys: order, recompute, "
-                          "blend, blend_layer, scheme)."),
+                          "blend, blend_layer, scheme; store keys codec, keep, keep_by)."),
     ] = "graft,text,cache,closed",
     ks: Annotated[str, typer.Option("--k", help="Comma list of k values.")] = "1,3,5",
     judge: Annotated[
@@ -70,6 +71,11 @@ def evaluate(
         Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")
     ] = None,
     codec: Annotated[str, typer.Option(help="Store codec: bf16, int8 or int4.")] = "bf16",
+    keep: Annotated[float, typer.Option(help="Share of each passage's tokens the stores keep (encode --keep); "
+                                             "SYSTEM@keep=R, @codec=C, @keep_by=M answer one entry from such a store.")
+                    ] = 1.0,
+    keep_by: Annotated[str, typer.Option(help="How a pruned store chooses its tokens: attention, norm or even.")
+                       ] = DEFAULT_KEEP_BY,
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
@@ -90,6 +96,7 @@ def evaluate(
     from cachegraft_cli.answering.assembly import AssemblyOptions
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.config import preset_adapter
+    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
     from cachegraft_cli.evaluation.variants import base_system
@@ -97,6 +104,7 @@ def evaluate(
     from cachegraft_cli.session import ModelChoice
 
     AssemblyOptions(order, scheme, recompute, blend, blend_layer).check()  # before anything loads
+    EncodeOptions(codec, keep=keep, keep_by=keep_by)
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
     if adapter_fuser is None and any(base_system(s) == "adapter" for s in system_list):
@@ -108,6 +116,8 @@ def evaluate(
         choice.fuser,
         adapter_fuser,
         codec,
+        keep,
+        keep_by,
         scheme,
         order,
         recompute,

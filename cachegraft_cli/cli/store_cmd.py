@@ -35,6 +35,18 @@ def _model(spec) -> str:
     return str(spec)
 
 
+def _keep_rows(table, report: dict) -> None:
+    """What pruning keeps, and every passage token's stored bytes against raw bf16 KV."""
+    keep = report.get("keep")
+    if keep is not None:
+        table.add_row("keep", f"{keep['ratio']:g} of each passage's tokens (by {keep['by']}); "
+                              f"{report['tokens']:,} of {report['passage_tokens']:,} tokens stored")
+    for kind, ratio in report.get("ratio_to_raw_bf16_full", {}).items():
+        if ratio is not None:
+            table.add_row(f"stored / raw {kind}", f"{ratio:.3f} x raw bf16 KV of every passage token "
+                                                  f"({1 / ratio:.1f}x smaller)" if ratio else "-")
+
+
 def _info_table(report: dict):
     from rich.table import Table
 
@@ -56,6 +68,7 @@ def _info_table(report: dict):
             else f"{bpt:,.0f} B ({ratio:.3f} x raw bf16; nominal {report['nominal_bytes_per_token']:,.0f} B)"
         )
         table.add_row(f"bytes/token {kind}", text)
+    _keep_rows(table, report)
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "

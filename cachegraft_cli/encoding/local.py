@@ -58,7 +58,9 @@ def encode_corpus(
     source = list(passages) if iter(passages) is passages else passages
     target = Target.open(store)
     codec = options.codec or target.codec or "bf16"
-    target.check(codec, options.kinds)  # codec, cache kinds: before the lock
+    keep = options.keep_for(target.keep)
+    target.check(codec, options.kinds, keep)  # codec, cache kinds, keep ratio: before the lock
+    options = options.with_keep(keep)
     summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed")
     with target.locked({"tool": "cachegraft encode"}) as lock:
         stored = target.store  # up to date under the lock (another writer may have made it meanwhile)
@@ -69,7 +71,7 @@ def encode_corpus(
         if count or stored is None or not session.names_match(stored):  # other models named: load them to check
             if stored is not None:
                 session.check_template(stored)
-            written = session.open_or_create_store(target, codec, options.also_own_cache)
+            written = session.open_or_create_store(target, codec, options.also_own_cache, keep)
             if progress:
                 progress(0, 0)
             with writing(target.name, "write the store"):
@@ -87,8 +89,10 @@ def reencode_rows(store_url: str, rows: list, session: ModelSession, options: En
     from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.oserrors import writing
 
-    codec = options.codec or CacheStore.check_exists(store_url)["identity"]["codec"]
-    store = session.open_or_create_store(store_url, codec, options.also_own_cache)
+    identity = CacheStore.check_exists(store_url)["identity"]
+    codec = options.codec or identity["codec"]
+    options = options.with_keep(identity.get("keep"))  # re-encoded rows are pruned as the store's others
+    store = session.open_or_create_store(store_url, codec, options.also_own_cache, identity.get("keep"))
     summary = EncodeSummary(store=store_url)
     chunks = []
     for row in rows:

@@ -13,7 +13,7 @@ from functools import cached_property
 
 from cachegraft_cli.checks import flag, one_of, whole
 from cachegraft_cli.corpus import Passage
-from cachegraft_cli.errors import CorpusError
+from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
 MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
@@ -26,8 +26,11 @@ class EncodeOptions:
     max_passage_tokens: int = 512
     also_own_cache: bool = False
     commit_every: int = 2000
+    keep: float | None = None  # share of each passage's tokens stored; None: the store's, 1 (all) for a new store
+    keep_by: str | None = None  # how they are chosen (`encoding.keep`); None: the store's, else the default
 
     def __post_init__(self):
+        from cachegraft_cli.encoding.keep import KEEP_METHODS
         from cachegraft_cli.store.codecs import CODECS
 
         # checked here, before any model loads (tens of seconds); the CLI's options come through here too
@@ -37,10 +40,34 @@ class EncodeOptions:
         whole("max_passage_tokens (--max-passage-tokens)", self.max_passage_tokens, 16, 1 << 20)
         flag("also_own_cache (--also-own-cache)", self.also_own_cache)
         whole("commit_every (--commit-every)", self.commit_every, 1, 1 << 30)
+        if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, (int, float))
+                                      or not 0 < self.keep <= 1):
+            raise UsageError(f"keep must be a share of tokens above 0 and at most 1; got {self.keep!r}.",
+                             "Pass e.g. --keep 0.5 (half of each passage's tokens), or 1 to store every token.")
+        if self.keep_by is not None and self.keep_by not in KEEP_METHODS:
+            raise UsageError(f"unknown keep method {self.keep_by!r}.", f"Use one of: {', '.join(KEEP_METHODS)}.")
 
     @property
     def kinds(self) -> tuple[str, ...]:
         return ("fused", "own") if self.also_own_cache else ("fused",)
+
+    def keep_for(self, stored: dict | None) -> dict | None:
+        """The store identity's `keep` this encode writes (None: every token): these options',
+        else the existing store's (`stored`: None for an unpruned or a new store)."""
+        from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
+        from cachegraft_cli.store.identity import keep_entry
+
+        if self.keep is None and self.keep_by is None:
+            return stored
+        ratio = self.keep if self.keep is not None else (stored or {}).get("ratio", 1.0)
+        return keep_entry(ratio, self.keep_by or (stored or {}).get("by") or DEFAULT_KEEP_BY)
+
+    def with_keep(self, keep: dict | None) -> EncodeOptions:
+        """These options set to a resolved `keep` (what the runners fuse with)."""
+        from dataclasses import replace
+
+        return replace(self, keep=1.0, keep_by=None) if keep is None else replace(self, keep=keep["ratio"],
+                                                                                    keep_by=keep["by"])
 
 
 @dataclass
@@ -52,6 +79,7 @@ class EncodeSummary:
     skipped_bad: int = 0
     chunks_split: int = 0
     tokens: int = 0
+    stored_tokens: int = 0  # fewer than `tokens` in a pruned store (`--keep`)
     bytes: int = 0
     bytes_per_token: float = 0.0
     seconds: float = 0.0
@@ -276,10 +304,26 @@ def _batches(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
 def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: EncodeOptions, summary) -> None:
     from cachegraft_cli.lm import kvcache
 
-    for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch])):
+    ratio = 1.0 if options.keep is None else options.keep
+    attention = ratio < 1 and options.keep_by == "attention"  # runners resolve keep_by (`with_keep`)
+    for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch], attention=attention)):
         caches = {"fused": kvcache.to_token_major(kv.fused)}
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.to_token_major(kv.own)
-        writer.add(chunk.row(), caches)
+        row = chunk.row()
+        if ratio < 1:  # pruned after fusion: the kept tokens are the full cache's own bits
+            caches, row = _pruned(kv, caches, row, ratio, options.keep_by)
+        writer.add(row, caches)
         summary.added += 1
         summary.tokens += len(chunk.ids)
+        summary.stored_tokens += len(caches["fused"])
+
+
+def _pruned(kv, caches: dict, row, ratio: float, by: str | None) -> tuple[dict, object]:
+    from dataclasses import replace
+
+    from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY, kept_positions
+
+    kept = kept_positions(kv, ratio, by or DEFAULT_KEEP_BY)
+    return ({kind: array[kept] for kind, array in caches.items()},
+            replace(row, positions=kept, span_tokens=len(caches["fused"])))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
+from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 from cachegraft_cli.errors import NoPassagesError, UsageError
 
 
@@ -26,6 +27,8 @@ class AnswererConfig:
     fuser: str | None
     adapter_fuser: str | None = None
     codec: str = "bf16"
+    keep: float = 1.0  # share of each passage's tokens the stores keep (`encode --keep`)
+    keep_by: str = DEFAULT_KEEP_BY
     scheme: str = "rotate"
     order: str = "best-last"
     recompute: int = DEFAULT_RECOMPUTE
@@ -47,17 +50,45 @@ class AnswererConfig:
         d.pop("encode_batch_size")
         if d["answer_batch"] == 1:
             d.pop("answer_batch")  # one at a time: the key runs made before the option was added
+        if d["keep"] >= 1:
+            d.pop("keep"), d.pop("keep_by")  # every token: the key runs made before pruning existed
         return d
+
+    def store_settings(self, overrides: dict | None = None) -> tuple[str, float, str]:
+        """(codec, keep, keep_by) of the store a system label answers from."""
+        o = overrides or {}
+        keep = float(o.get("keep", self.keep))
+        return o.get("codec", self.codec), keep, o.get("keep_by", self.keep_by) if keep < 1 else DEFAULT_KEEP_BY
+
+
+class ReusedFusion:
+    """A `PassageFusion` whose results are kept by batch: the stores an evaluation encodes from
+    one corpus (other codecs, keep ratios) get the very same fused caches, computed once. Attention
+    scores are always computed (the forward's caches are the same bits with or without them)."""
+
+    def __init__(self, fusion):
+        self.fusion = fusion
+        self.kept: dict[tuple, list] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.fusion, name)
+
+    def fuse(self, passages: list[list[int]], attention: bool = False) -> list:
+        key = tuple(tuple(p) for p in passages)
+        if key not in self.kept:
+            self.kept[key] = self.fusion.fuse(passages, attention=True)
+        return self.kept[key]
 
 
 class StoreAnswerer:
     def __init__(self, config: AnswererConfig, systems: list[str]):
-        from cachegraft_cli.evaluation.variants import base_system
+        from cachegraft_cli.evaluation.variants import base_system, parse_variant
 
         self.config = config
         self.labels = list(systems)
         self.systems = sorted({base_system(s) for s in systems})  # what stores and models are needed for
-        self._askers: dict[tuple[str, str], object] = {}
+        self.stores_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems))
+        self._askers: dict[tuple, object] = {}
         self._sessions: dict[str, object] = {}
 
     def _fuser_for(self, system: str) -> str | None:
@@ -69,8 +100,12 @@ class StoreAnswerer:
             return self.config.adapter_fuser
         return self.config.fuser
 
-    def _store_url(self, bench: str, fuser: str | None) -> str:
-        key = json.dumps([self.config.receiver, self.config.sharer, fuser, self.config.codec], sort_keys=True)
+    def _store_url(self, bench: str, fuser: str | None, settings: tuple | None = None) -> str:
+        codec, keep, keep_by = settings or self.config.store_settings()
+        parts: list = [self.config.receiver, self.config.sharer, fuser, codec]
+        if keep < 1:  # a pruned store has its own key; an unpruned one keeps the key it always had
+            parts += [keep, keep_by]
+        key = json.dumps(parts, sort_keys=True)
         return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
     def _session(self, fuser: str | None):
@@ -96,11 +131,17 @@ class StoreAnswerer:
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
         for fuser in self._fusers():
-            url = self._store_url(benchmark_name, fuser)
-            options = EncodeOptions(self.config.codec, self.config.encode_batch_size, also_own_cache=own)
-            with EncodeProgress(len(rows), f"encode {benchmark_name}") as bar:
-                encode_corpus(rows, url, self._session(fuser), options, progress=bar)
-            build_store_index(url, self.config.index_kind)
+            if len(self.stores_needed) > 1:  # stores of one corpus differ after fusion only: fuse it once
+                session = self._session(fuser)
+                session.__dict__["_fusion"] = ReusedFusion(session.fusion())
+            for settings in self.stores_needed:
+                url = self._store_url(benchmark_name, fuser, settings)
+                codec, keep, keep_by = settings
+                options = EncodeOptions(codec, self.config.encode_batch_size, also_own_cache=own, keep=keep,
+                                        keep_by=keep_by if keep < 1 else None)
+                with EncodeProgress(len(rows), f"encode {benchmark_name} ({codec}, keep {keep:g})") as bar:
+                    encode_corpus(rows, url, self._session(fuser), options, progress=bar)
+                build_store_index(url, self.config.index_kind)
         if "sharer-text" not in self.systems:
             self._release_sharers()
 
@@ -119,13 +160,14 @@ class StoreAnswerer:
             fusers.append(self._fuser_for("adapter"))
         return fusers
 
-    def _asker(self, bench: str, system: str):
+    def _asker(self, bench: str, system: str, store: dict | None = None):
         from cachegraft_cli.answering.ask import Asker
 
         fuser = self._fuser_for(system)
-        key = (bench, fuser or "closed")
+        settings = self.config.store_settings(store)
+        key = (bench, fuser or "closed", settings)
         if key not in self._askers:
-            self._askers[key] = Asker(self._store_url(bench, fuser), session=self._session(fuser))
+            self._askers[key] = Asker(self._store_url(bench, fuser, settings), session=self._session(fuser))
         return self._askers[key]
 
     def options(self, label: str, k: int):
@@ -136,13 +178,16 @@ class StoreAnswerer:
 
         c, variant = self.config, parse_variant(label)
         settings = {"scheme": c.scheme, "order": c.order, "recompute": c.recompute, "blend": c.blend,
-                    "blend_layer": c.blend_layer, **variant.overrides}
+                    "blend_layer": c.blend_layer, **variant.assembly}
         return AskOptions(variant.system, max(k, 1), generation=GenerationConfig(c.max_new_tokens), **settings)
 
     def answer(self, benchmark_name: str, questions, system: str, k: int) -> list[dict]:
+        from cachegraft_cli.evaluation.variants import parse_variant
+
         options = self.options(system, k)
+        store = parse_variant(system).store
         system = options.system
-        asker = self._asker(benchmark_name, system)
+        asker = self._asker(benchmark_name, system, store)
         asker.warm(system)
         if self.config.answer_batch > 1 and len(questions) > 1:
             try:

@@ -2,9 +2,11 @@
 
 One evaluation can answer the same system under several assemblies, e.g.
 `text@order=retrieval` next to `text` (the run's order), or
-`graft@recompute=16@order=retrieval` next to the default `graft`. The label is what answers, scores and
-comparisons are keyed by; the base system and the overrides are what the
-answerer runs.
+`graft@recompute=16@order=retrieval` next to the default `graft`. Store keys
+answer from another store of the same corpus: `graft@keep=0.5` (a pruned
+store), `graft@codec=int4`, `graft@keep=0.5@keep_by=even`; each such store is
+encoded once and reused. The label is what answers, scores and comparisons are
+keyed by; the base system and the overrides are what the answerer runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from cachegraft_cli.answering.systems import SYSTEMS as BASE_SYSTEMS
 from cachegraft_cli.errors import UsageError
 
 # override key -> type of its value
-KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
+ASSEMBLY_KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
+STORE_KEYS = {"codec": str, "keep": float, "keep_by": str}  # which store answers (encode options)
+KEYS = {**ASSEMBLY_KEYS, **STORE_KEYS}
 BEST_TEXT = "text (best order)"  # per benchmark and k, the text variant with the best EM (then F1)
 
 
@@ -24,6 +28,14 @@ class Variant:
     label: str
     system: str
     overrides: dict = field(default_factory=dict)
+
+    @property
+    def assembly(self) -> dict:
+        return {k: v for k, v in self.overrides.items() if k in ASSEMBLY_KEYS}
+
+    @property
+    def store(self) -> dict:
+        return {k: v for k, v in self.overrides.items() if k in STORE_KEYS}
 
 
 def parse_variant(label: str) -> Variant:
@@ -53,9 +65,11 @@ def check_variant(label: str) -> Variant:
     from dataclasses import replace
 
     from cachegraft_cli.answering.assembly import AssemblyOptions
+    from cachegraft_cli.encoding.plan import EncodeOptions
 
     variant = parse_variant(label)
-    replace(AssemblyOptions(), **variant.overrides).check()
+    replace(AssemblyOptions(), **variant.assembly).check()
+    EncodeOptions(**variant.store)  # codec, keep and keep_by checked as encode checks them
     return variant
 
 

@@ -16,14 +16,18 @@ import torch
 from cachegraft_cli.errors import CheckpointError
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.align import TokenAligner
+from cachegraft_cli.lm.attention import QueryCapture, received_attention
 from cachegraft_cli.lm.kvcache import PlainKV
 from cachegraft_cli.lm.models import LoadedModel
+
+SCORED_LAYERS = (-4, -3, -2, -1)  # the receiver layers whose attention ranks tokens for `encode --keep`
 
 
 @dataclass
 class PassageKV:
     fused: PlainKV  # single-passage tensors (kv_heads, tokens, head_dim)
     own: PlainKV  # the receiver's own cache of the same tokens
+    attention: torch.Tensor | None = None  # (tokens,) attention each token receives (`fuse(..., attention=True)`)
 
 
 class PassageFusion:
@@ -53,10 +57,18 @@ class PassageFusion:
         return kvcache.unbatched(self._receiver_prefix)
 
     @torch.inference_mode()
-    def fuse(self, passages: list[list[int]]) -> list[PassageKV]:
-        """Fused and own caches for each passage's token ids, one forward per model."""
+    def fuse(self, passages: list[list[int]], attention: bool = False) -> list[PassageKV]:
+        """Fused and own caches for each passage's token ids, one forward per model; with
+        `attention`, also the attention each token receives from its passage's later tokens
+        at the receiver's last layers (`lm.attention`), from the same receiver forward."""
         lengths = [len(p) for p in passages]
-        own = self.passage_pass("receiver", passages)
+        scores = None
+        if attention:
+            with QueryCapture(self.receiver.model, list(SCORED_LAYERS)) as capture:
+                own = self.passage_pass("receiver", passages)
+            scores = received_attention(capture, self._receiver_prefix, own, lengths)
+        else:
+            own = self.passage_pass("receiver", passages)
         fused = own
         if self.sharer is not None:
             fused = self.fuser.fuse(own, self.passage_pass("sharer", passages))
@@ -64,7 +76,9 @@ class PassageFusion:
             zeros = self.fuser.zero_sharer_kv(len(passages), max(lengths), own[0][0].dtype, own[0][0].device)
             fused = self.fuser.fuse(own, zeros)
         return [
-            PassageKV(take(fused, i, lengths[i]), take(own, i, lengths[i])) for i in range(len(passages))
+            PassageKV(take(fused, i, lengths[i]), take(own, i, lengths[i]),
+                      scores[i, : lengths[i]].clone() if scores is not None else None)
+            for i in range(len(passages))
         ]
 
     @torch.inference_mode()

@@ -62,3 +62,23 @@ def check(url: str, stored: dict, expect: dict | None) -> None:
                 hint=f"Use another --store, or the models and settings this store was made with "
                 f"(see `cachegraft store info {url}`).",
             )
+
+
+def keep_entry(ratio: float | None, by: str) -> dict | None:
+    """The identity's `keep` for a keep ratio: None (the key absent, as in every store written
+    before pruning existed) when every token is stored."""
+    return None if ratio is None or ratio >= 1 else {"ratio": float(ratio), "by": by}
+
+
+def describe_keep(keep: dict | None) -> str:
+    return "1 (every token)" if keep is None else f"{keep['ratio']:g} (by {keep['by']})"
+
+
+def check_keep(url: str, stored: dict | None, wanted: dict | None) -> None:
+    """A store is pruned one way throughout: refuse an append that asks for another keep."""
+    if normalise(stored or {}) == normalise(wanted or {}):
+        return
+    hint = (f"Pass --keep {stored['ratio']:g} --keep-by {stored['by']} (or no --keep: the store's is used)"
+            if stored is not None else "Drop --keep: this store keeps every token")
+    raise StoreMismatchError(f"store {url} was made with --keep {describe_keep(stored)}, but --keep "
+                             f"{describe_keep(wanted)} was requested.", hint=f"{hint}, or encode into another --store.")

@@ -10,6 +10,11 @@ def _segment_summary(entry: dict) -> dict:
     return {k: entry.get(k) for k in ("name", "rows", "tokens", "bytes", "committed", "run_info")}
 
 
+def _passage_tokens(store) -> int:
+    """Tokens of the stored passages before pruning (the stored tokens in an unpruned store)."""
+    return sum(int(t.span_tokens.sum()) if t.span_tokens is not None else int(t.tokens.sum()) for t in store.tables)
+
+
 def info(store) -> dict:
     ident = store.identity
     entries = store.segments
@@ -17,6 +22,7 @@ def info(store) -> dict:
     per_kind = {k: sum((e.get("bytes") or {}).get(k, 0) for e in entries) for k in store.kinds}
     raw = raw_bf16_bytes_per_token(store.geometry)
     measured = {k: (b / tokens if tokens else None) for k, b in per_kind.items()}
+    passage_tokens = _passage_tokens(store)
     return {
         "url": store.loc.url,
         "format_version": store.meta.get("format_version", 1),
@@ -37,6 +43,11 @@ def info(store) -> dict:
         "nominal_bytes_per_token": store.codec.nominal_bytes_per_token(),
         "raw_bf16_bytes_per_token": raw,
         "ratio_to_raw_bf16": {k: (v / raw if v is not None else None) for k, v in measured.items()},
+        "keep": store.keep,
+        "passage_tokens": passage_tokens,
+        # stored bytes over raw bf16 KV of every passage token (the pruned ones too): what pruning and the codec save
+        "ratio_to_raw_bf16_full": {k: (b / (raw * passage_tokens) if passage_tokens else None)
+                                   for k, b in per_kind.items()},
         "chunk_tokens": store.chunk_tokens,
         "shard_tokens": store.shard_tokens,
         "compressor": store.compressor,

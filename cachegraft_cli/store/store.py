@@ -272,6 +272,30 @@ class CacheStore:
             out.append(self.codec.decode(parts, *span))
         return out
 
+    @property
+    def keep(self) -> dict | None:
+        """How a pruned store chose its tokens (`{"ratio": R, "by": method}`); None: every token is stored."""
+        return self.identity.get("keep")
+
+    def positions(self, ids: list[str]) -> list[tuple[np.ndarray, int] | None]:
+        """Per passage of a pruned store: its stored tokens' positions in the passage, and the
+        passage's token count before pruning; None for a passage stored whole. From the row
+        tables alone (no cache or text is read)."""
+        out: list[tuple[np.ndarray, int] | None] = []
+        for ti, ri in (self._locate(pid) for pid in ids):
+            table = self._tables[ti]
+            kept = table.positions(ri)
+            if kept is None or table.span_tokens is None:
+                if self.keep is not None:  # a pruned store's row without positions would be misplaced: refuse
+                    raise StoreCorruptError(
+                        f"store {self.loc.url}: segment {table.segment} of a pruned store (keep "
+                        f"{self.keep['ratio']}) records no kept positions for passage {table.ids[ri]!r}.",
+                        hint="Run `cachegraft store verify`; re-encode the passage with the store's --keep.")
+                out.append(None)
+            else:
+                out.append((np.asarray(kept, dtype=np.int64), int(table.span_tokens[ri])))
+        return out
+
     def _check_passage(self, ti: int, ri: int, kind: str, parts: dict) -> None:
         table = self._tables[ti]
         if checksums.of_parts(parts, self.codec.components()) != table.checksum(ri, kind):

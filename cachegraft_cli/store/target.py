@@ -54,10 +54,18 @@ class Target:
     def codec(self) -> str | None:
         return self.store.identity["codec"] if self.store is not None else None
 
-    def check(self, codec: str | None, kinds: tuple[str, ...]) -> None:
-        """Refuse a codec or cache kinds the existing store cannot take (`codec` None: the store's own)."""
+    @property
+    def keep(self) -> dict | None:
+        return self.store.keep if self.store is not None else None
+
+    def check(self, codec: str | None, kinds: tuple[str, ...], keep: dict | None = None) -> None:
+        """Refuse a codec, cache kinds or keep ratio the existing store cannot take (`codec` None: the
+        store's own; `keep` None: every token, as the store must have been made)."""
         if self.store is None:
             return
+        from cachegraft_cli.store.identity import check_keep
+
+        check_keep(self.url, self.store.keep, keep)
         stored = self.codec
         if codec is not None and stored != codec:
             raise StoreMismatchError(

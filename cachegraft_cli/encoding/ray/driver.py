@@ -105,7 +105,10 @@ def encode_on_ray(
     ray = require_ray()
     check_devices(choice.device, ray_options)
     target = Target.open(store_url)
-    target.check(options.codec or "bf16", options.kinds)  # before the cluster or anything else
+    target.check(options.codec or "bf16", options.kinds, options.keep_for(target.keep))  # before the cluster
+    if options.keep_for(target.keep) is not None:
+        raise UsageError("the Ray runner does not prune passages (--keep below 1) yet.",
+                         "Encode a pruned store with --runner local.")
     start = time.perf_counter()
     # The lock first: a second writer is refused at once, before a Ray runtime starts or a model loads.
     with lock_store(target.loc, {"tool": "cachegraft encode", "engine": "ray"}):
