@@ -44,7 +44,7 @@ from cachegraft_cli.store.layout import (
     segment_file,
     token_extent,
 )
-from cachegraft_cli.store.rows import SegmentTable
+from cachegraft_cli.store.rows import SegmentTable, carry_kept
 
 DEFAULT_TARGET_BYTES = 1 << 30
 DEFAULT_GRACE_SECONDS = 3600.0
@@ -210,11 +210,12 @@ def _merged_table(name: str, tables: list[SegmentTable], starts: list[int]) -> S
     if any(t.crc_columns != columns for t in tables):
         raise StoreCorruptError(f"segments {', '.join(t.segment for t in tables)} name their checksums differently.",
                                 hint="Run `cachegraft store verify`; compact only a store one cachegraft wrote.")
-    return SegmentTable(
+    merged = SegmentTable(
         name, [i for t in tables for i in t.ids], np.concatenate([t.hashes for t in tables]),
         np.concatenate([t.tokens for t in tables]), np.concatenate([t.offsets + s for t, s in zip(tables, starts)]),
         [p for t in tables for p in t.parents], np.concatenate([t.chunk_index for t in tables]), list(columns),
         np.concatenate([t.crcs for t in tables]))
+    return carry_kept(merged, [(t, list(range(len(t)))) for t in tables])  # a pruned store stays readable
 
 
 def _entry(store, name: str, group: list[dict], table: SegmentTable, end: int) -> dict:

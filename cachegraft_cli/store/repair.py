@@ -44,7 +44,7 @@ from cachegraft_cli.store.layout import (
 )
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.recover import merged_from, read_committed, recover, repaired_from
-from cachegraft_cli.store.rows import PassageRow, SegmentTable
+from cachegraft_cli.store.rows import PassageRow, SegmentTable, carry_kept
 
 TOOL = "cachegraft store repair"
 QUARANTINE = "quarantine"
@@ -315,9 +315,10 @@ def _rewrite_without(store, table: SegmentTable, drop: set[int], rows: list[Pass
 
 def _subset(table: SegmentTable, keep: list[int], name: str) -> SegmentTable:
     idx = np.asarray(keep, dtype=np.int64)
-    return SegmentTable(name, [table.ids[i] for i in keep], table.hashes[idx], table.tokens[idx], table.offsets[idx],
-                        [table.parents[i] for i in keep], table.chunk_index[idx], list(table.crc_columns),
-                        np.ascontiguousarray(table.crcs[idx]))
+    subset = SegmentTable(name, [table.ids[i] for i in keep], table.hashes[idx], table.tokens[idx],
+                          table.offsets[idx], [table.parents[i] for i in keep], table.chunk_index[idx],
+                          list(table.crc_columns), np.ascontiguousarray(table.crcs[idx]))
+    return carry_kept(subset, [(table, list(keep))])  # a pruned store stays readable
 
 
 def _copy_tree(loc: Location, src: str, dst: str) -> None:

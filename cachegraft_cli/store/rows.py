@@ -231,3 +231,20 @@ def parse_table(segment: str, file: str, blob: bytes) -> SegmentTable:
     except (ValueError, KeyError, OSError, UnicodeDecodeError) as exc:
         raise StoreCorruptError(f"segment {segment}: {file} is unreadable ({exc}).",
                                 hint="Run `cachegraft store verify` for details.") from None
+
+
+def carry_kept(table: SegmentTable, sources: list[tuple[SegmentTable, list[int]]]) -> SegmentTable:
+    """`table` (built from rows of `sources`, in that order: compaction merges tables, repair keeps a
+    subset) with those rows' kept positions; unchanged when the sources are unpruned."""
+    if not any(src.pruned for src, _ in sources):
+        return table
+    if not all(src.pruned for src, _ in sources):
+        raise StoreCorruptError(f"segment {table.segment}: pruned and unpruned rows cannot share a segment.",
+                                hint="Run `cachegraft store verify`; a store never mixes the two.")
+    positions = [src.positions(i) for src, rows in sources for i in rows]
+    spans = [int(src.span_tokens[i]) for src, rows in sources for i in rows]  # type: ignore[index]
+    lengths = np.array([len(p) for p in positions if p is not None], dtype=np.int64)
+    table.kept = np.concatenate([p for p in positions if p is not None]).astype(np.int32)
+    table.kept_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    table.span_tokens = np.array(spans, dtype=np.int64)
+    return table

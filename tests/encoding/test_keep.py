@@ -177,3 +177,27 @@ def test_cli_encode_keep_and_store_info_ratio(tiny_dirs, tmp_path, capsys, monke
     assert code != 0 and code != 70 and "--keep 0.5 (by even)" in err
     code, _, err = run_cli(capsys, monkeypatch, "encode", corpus, "--store", tmp_path / "bad", "--keep", "1.5", *common)
     assert code != 0 and code != 70 and "keep must be" in err
+
+
+def test_compaction_and_repair_keep_a_pruned_store_readable(session, tmp_path):
+    """Merging pruned segments (compact) and rewriting one without a dropped row (repair) carry the
+    kept positions along: the same caches at the same positions afterwards."""
+    from cachegraft_cli.store.compact import CompactOptions, compact
+    from cachegraft_cli.store.repair import repair
+
+    url = str(tmp_path / "s")
+    for n in (2, 4, 6):  # three segments
+        encode_corpus(_passages(n), url, session, EncodeOptions(codec="float32", keep=0.5, keep_by="even"))
+    before = CacheStore.open(url)
+    ids = before.ids()
+    caches = before.read(ids)
+    positions = [(kept.tolist(), span) for kept, span in before.positions(ids)]
+    assert len(before.tables) == 3
+    compact(url, CompactOptions(grace_seconds=0))
+    after = CacheStore.open(url)
+    assert len(after.tables) == 1 and after.tables[0].pruned
+    assert all(np.array_equal(a, b) for a, b in zip(after.read(ids), caches))
+    assert [(kept.tolist(), span) for kept, span in after.positions(ids)] == positions
+    repair(url)  # nothing to drop: the store reads as before
+    again = CacheStore.open(url)
+    assert [(kept.tolist(), span) for kept, span in again.positions(ids)] == positions
