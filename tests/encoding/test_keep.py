@@ -72,8 +72,8 @@ def _without_stamps(doc, names) -> bytes:
     doc = json.loads(text)
     for entry in [doc, *doc.get("segments", []), (doc.get("attributes") or {}).get("cachegraft") or {}]:
         if isinstance(entry, dict):
-            entry.pop("committed", None)
-            entry.pop("created", None)
+            for stamp in ("committed", "created", "updated"):
+                entry.pop(stamp, None)
     return json.dumps(doc, sort_keys=True).encode()
 
 
