@@ -8,15 +8,8 @@ import socket
 import threading
 import time
 
-PASSAGES = [
-    {"id": "harbor", "title": "Harbor town",
-     "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
-    {"id": "treaty", "title": "Treaty",
-     "text": "The treaty was signed in Vienna after long talks between the two empires."},
-    {"id": "photo", "title": "Photosynthesis",
-     "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
-]
-QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what does photosynthesis make?"]
+from cli_support import PASSAGES, QUESTIONS as QUESTIONS  # QUESTIONS: re-exported for the serving tests
+
 NEW = {"id": "comet", "title": "Comet", "text": "The comet Velmora returns every seventy years over the northern sky."}
 
 

@@ -7,19 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from cli_support import run_cli
+from cli_support import PASSAGES, QUESTIONS, run_cli
 from conftest import MIN_GREEDY_MARGIN
 from tiny import open_fuser
-
-PASSAGES = [
-    {"id": "harbor", "title": "Harbor town",
-     "text": "Harbor town was founded in 1820 by fishermen who built the first lighthouse."},
-    {"id": "treaty", "title": "Treaty",
-     "text": "The treaty was signed in Vienna after long talks between the two empires."},
-    {"id": "photo", "title": "Photosynthesis",
-     "text": "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."},
-]
-QUESTIONS = ["who built the lighthouse?", "where was the treaty signed?", "what does photosynthesis make?"]
 
 
 def run(capsys, monkeypatch, *args):
