@@ -20,8 +20,11 @@ the default `graft`.
 Also records P4's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
 
+`--compare LABEL=STORE,...` times graft from other stores of the same passages (another
+codec, a pruned store) side by side, as `graft[LABEL]`, in the same rotation.
+
     python benchmarks/p1_ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
-        [--variants recompute=0,blend=0.15]
+        [--variants recompute=0,blend=0.15] [--store DIR] [--compare k2v4=DIR2,keep0.5=DIR3]
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def parse_args(argv):
     ap.add_argument("--fuser", default=bc.REAL_FUSER, help="closed: the receiver's own caches | random: the pair "
                     "with a random open fuser (slower to encode); graft's ask path is the same")
     ap.add_argument("--store", default=None, help="use this existing store (e.g. one p3_codecs.py made)")
+    ap.add_argument("--compare", default="", help="comma list LABEL=STORE: graft from these stores of the same "
+                    "passages, timed beside the main store's")
     ap.add_argument("--variants", default="recompute=0,blend=0.15",
                     help="comma list of graft assemblies timed beside the default (key=value[+key=value])")
     return ap.parse_args(argv)
@@ -65,8 +70,24 @@ def conditions(k: int, variants: str) -> dict:
     return out
 
 
-def measure(asker, questions, options: dict, repeats: int) -> tuple[dict, list[float]]:
-    """{label: [timings dict, ...]} over repeats x questions, conditions rotated; plus graft read ratios."""
+def compared(asker, spec: str) -> tuple[dict, dict]:
+    """({label: Asker}, {label: AskOptions}) of `--compare`'s stores: graft at the main graft's options,
+    sharing the main asker's loaded models."""
+    from cachegraft_cli.answering.ask import Asker
+
+    askers, options = {}, {}
+    for item in filter(None, spec.split(",")):
+        name, _, url = item.partition("=")
+        label = f"graft[{name}]"
+        askers[label] = Asker(url, session=asker.session)
+        options[label] = None
+    return askers, options
+
+
+def measure(asker, questions, options: dict, repeats: int, others: dict | None = None) -> tuple[dict, list[float]]:
+    """{label: [timings dict, ...]} over repeats x questions, conditions rotated; plus graft read ratios.
+    `others`: {label: Asker} answering graft (at options["graft"]) from other stores."""
+    others = others or {}
     out = {s: [] for s in options}
     ratios = []
     turn = 0
@@ -74,6 +95,11 @@ def measure(asker, questions, options: dict, repeats: int) -> tuple[dict, list[f
         for q in questions:
             for system in bc.rotated(list(options), turn):
                 before = asker.store.stats.bytes
+                if system in others:
+                    res = others[system].ask(q.question, options["graft"])
+                    out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"],
+                                                         "recomputed": res["tokens"]["recomputed"]})
+                    continue
                 res = asker.ask(q.question, options[system])
                 out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"],
                                                      "recomputed": res["tokens"]["recomputed"]})
@@ -106,11 +132,15 @@ def main(argv=None) -> int:
         asker.warm(s)
     start_machine = bc.machine()
     options = conditions(args.k, args.variants)
-    runs, read_ratios = measure(asker, questions, options, args.repeats)
+    others, extra = compared(asker, args.compare)
+    options.update(extra)
+    for other in others.values():
+        other.warm("graft")
+    runs, read_ratios = measure(asker, questions, options, args.repeats, others)
     med = summarise(runs)
     ttft = {s: med[s]["first_token"] for s in options}
     ratios = {f"{s}/graft": ttft[s] / ttft["graft"] for s in SYSTEMS if s != "graft"}
-    variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith("graft@")}
+    variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith(("graft@", "graft["))}
     rows = [[s, med[s]["prompt_tokens"], med[s]["recomputed"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"],
              ttft[s]] for s in options]
     bc.print_table(f"P1 time to first token, k={args.k}, "

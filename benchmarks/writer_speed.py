@@ -5,6 +5,10 @@ real KV), written by one `StoreWriter` session into a fresh local store; one thr
 (`torch.set_num_threads(1)`, blosc 1 thread), CPU time by `time.process_time`.
 MB/s per core counts raw bf16 KV bytes (what the caches are before any codec).
 
+Two figures per cell: `us/token`, everything the writer costs on this machine's CPU, and
+`host us/token`, the same less the codec's `encode_tensor` (quantising), timed inside the same
+run: what the CPU pays when the caches were fused on a GPU, where the writer quantises them.
+
     python benchmarks/writer_speed.py [--codecs bf16,int4] [--geometries qwen3-0.6b,offline]
         [--tokens 3072] [--input numpy|torch-bf16] [--read] [--json]
         [--receiver MODEL_DIR]   # bytes and error on that receiver's own KV of sample_data passages
@@ -36,6 +40,10 @@ GEOMETRIES = {
 }
 
 
+COMPRESSORS = {"default": None, "none": {"name": "none"},
+               "lz4": {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--codecs", default="", help="comma list (default: every codec this checkout knows)")
@@ -43,8 +51,10 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=3072, help="tokens written per measurement")
     p.add_argument("--passage-tokens", type=int, default=150)
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (the median is printed)")
-    p.add_argument("--input", choices=("numpy", "torch-bf16"), default="numpy",
-                   help="what add() gets: float32 numpy (as encode hands it today) or bf16 torch tensors")
+    p.add_argument("--input", choices=("numpy", "torch-bf16"), default="torch-bf16",
+                   help="what add() gets: bf16 torch tensors (what encode hands it) or float32 numpy")
+    p.add_argument("--compressor", choices=sorted(COMPRESSORS), default="default",
+                   help="the store's compressor: default (Blosc zstd 1), none, or lz4 (Blosc lz4 5)")
     p.add_argument("--read", action="store_true", help="also time CacheStore.read of 5 passages of 150 tokens")
     p.add_argument("--receiver", default="", help="model dir: also measure bytes and reconstruction error per "
                    "codec on this receiver's own KV of --corpus passages")
@@ -89,21 +99,41 @@ def passages(data: np.ndarray, total: int, n: int, kind: str):
         yield i, (torch.from_numpy(x).to(torch.bfloat16) if kind == "torch-bf16" else x)
 
 
-def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> float:
-    """CPU seconds of one writer session (create not counted): add every passage, commit."""
+class Timed:
+    """Wraps a codec's `encode_tensor` (where the codec has one) and adds up its CPU time."""
+
+    def __init__(self, codec):
+        self.codec, self.seconds = codec, 0.0
+        self.inner = getattr(codec, "encode_tensor", None)
+        if self.inner is not None:
+            codec.encode_tensor = self
+
+    def __call__(self, x):
+        t0 = time.process_time()
+        try:
+            return self.inner(x)
+        finally:
+            self.seconds += time.process_time() - t0
+
+
+def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> tuple:
+    """CPU seconds of one writer session (create not counted): add every passage, commit; and of
+    the codec's quantising within it."""
     from cachegraft_cli.store import CacheStore, PassageRow
 
     shape = data.shape[1:]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
-        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32))
+        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32),
+                                  compressor=COMPRESSORS[args.compressor])
         items = list(passages(data, args.tokens, args.passage_tokens, args.input))
+        timed = Timed(store.codec)
         t0 = time.process_time()
         with store.writer() as w:
             for i, x in items:
                 w.add(PassageRow(id=f"p{i}", content_hash=f"h{i}"), {"fused": x})
         cpu = time.process_time() - t0
         info = CacheStore.open(f"{tmp}/s").info()
-    return cpu, info["bytes_per_token"]["fused"], info["nominal_bytes_per_token"]
+    return cpu, info["bytes_per_token"]["fused"], info["nominal_bytes_per_token"], timed.seconds
 
 
 def read_cell(codec: str, geometry: dict, data: np.ndarray, reps: int = 40) -> dict:
@@ -201,8 +231,11 @@ def main() -> None:
             runs = [write_once(codec, geometry, data, args) for _ in range(args.repeats)]
             cpu = statistics.median(r[0] for r in runs)
             us = 1e6 * cpu / args.tokens
-            row = {"geometry": gname, "codec": codec, "input": args.input, "tokens": args.tokens,
-                   "us_per_token": us, "mb_per_s_per_core": raw / us, "bytes_per_token": runs[0][1],
+            host = 1e6 * statistics.median(r[0] - r[3] for r in runs) / args.tokens
+            row = {"geometry": gname, "codec": codec, "input": args.input, "compressor": args.compressor,
+                   "tokens": args.tokens,
+                   "us_per_token": us, "host_us_per_token": host, "quantise_us_per_token": us - host,
+                   "mb_per_s_per_core": raw / us, "bytes_per_token": runs[0][1],
                    "nominal_bytes_per_token": runs[0][2], "ratio_to_raw_bf16": runs[0][1] / raw}
             if args.read:
                 row.update(read_cell(codec, geometry, data))
@@ -212,7 +245,7 @@ def main() -> None:
             else:
                 extra = f"  read k=5 {row['read_ms_wall']:6.1f} ms wall {row['read_ms_cpu']:6.1f} ms cpu" \
                     if args.read else ""
-                print(f"{gname:11s} {codec:8s} {us:8.1f} us/token {raw / us:7.1f} MB/s/core  "
+                print(f"{gname:11s} {codec:8s} {us:8.1f} us/token (host {host:7.1f}) {raw / us:7.1f} MB/s/core  "
                       f"{row['bytes_per_token']:9.1f} B/token ({row['ratio_to_raw_bf16']:.3f}x raw){extra}",
                       flush=True)
 

@@ -247,6 +247,7 @@ def encode(
     also_own_cache: bool | None = None,
     commit_every: int | None = None,
     keep: float | None = None,
+    compressor: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
@@ -268,7 +269,8 @@ def encode(
     `format` and the `*_field`s as `cachegraft encode` takes them) or an iterable of `Passage`s
     or dicts with `id`, `text` and optional `title` (other keys become metadata). The encode
     settings come as `options` or one by one (`codec`, `batch_size`, `keep`, ...; one given
-    overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`).
+    overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`;
+    `compressor="none"` trades 10-20% more bytes for several times less writer CPU).
     `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings in `ray`).
     Re-encoding what is stored is skipped without loading any model; `planned(n)`
     hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""
@@ -283,7 +285,8 @@ def encode(
         instruction=instruction, format=format), flags={"trust_remote_code": trust_remote_code, "skip_bad": skip_bad},
         callbacks={"progress": progress, "planned": planned})
     settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
-                                "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep}
+                                "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep,
+                                "compressor": compressor}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
     if isinstance(corpus, (str, Path)):

@@ -155,7 +155,8 @@ class ModelSession:
         }
         return {**ident, "keep": keep} if keep is not None else ident
 
-    def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None):
+    def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None,
+                             compressor: str | None = None):
         """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
         or the existing one (identity checked). A store that already keeps own caches goes on
         keeping them, asked or not."""
@@ -170,7 +171,8 @@ class ModelSession:
             check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         with writing(target.name, "create the store"):
-            return target.create(self.identity(codec, keep), prefix, store.kinds if store is not None else kinds)
+            return target.create(self.identity(codec, keep), prefix, store.kinds if store is not None else kinds,
+                                 compressor)
 
     def names_match(self, store) -> bool:
         """Whether this session names the receiver, fuser and (where it ran one) sharer the store

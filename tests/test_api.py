@@ -162,6 +162,7 @@ BAD_CALLS = [
     ("encode-keep-zero", _enc(keep=0), "keep"),
     ("encode-keep-str", _enc(keep="half"), "keep"),
     ("encode-keep-above-one", _enc(keep=1.5), "keep"),
+    ("encode-compressor", _enc(compressor="gzip"), "compressor"),
     ("encode-device-int", _enc(device=0), "device"),
     ("encode-device-bogus", _enc(device="gpu0"), "device"),
     ("encode-dtype-int", _enc(dtype=16), "dtype"),

@@ -70,7 +70,8 @@ def evaluate(
     adapter_fuser: Annotated[
         Optional[str], typer.Option(help="Fuser trained with --sharer-input zero, for the adapter system.")
     ] = None,
-    codec: Annotated[str, typer.Option(help="Store codec: bf16, int8 or int4.")] = "bf16",
+    codec: Annotated[Optional[str], typer.Option(
+        help="Store codec: bf16, int8, int4, k8v4, k2v4 or int2 (default: encode's, int8).")] = None,
     keep: Annotated[float, typer.Option(help="Share of each passage's tokens the stores keep (encode --keep); "
                                              "SYSTEM@keep=R, @codec=C, @keep_by=M answer one entry from such a store.")
                     ] = 1.0,
@@ -102,8 +103,10 @@ def evaluate(
     from cachegraft_cli.evaluation.variants import base_system
     from cachegraft_cli.fuser import check_fuser_spec
     from cachegraft_cli.session import ModelChoice
+    from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
     AssemblyOptions(order, scheme, recompute, blend, blend_layer).check()  # before anything loads
+    codec = codec or DEFAULT_CODEC
     EncodeOptions(codec, keep=keep, keep_by=keep_by)
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
     system_list = [s.strip() for s in systems.split(",") if s.strip()]

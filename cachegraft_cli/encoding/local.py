@@ -33,6 +33,7 @@ from cachegraft_cli.encoding.plan import (
     run_info,
 )
 from cachegraft_cli.session import ModelSession
+from cachegraft_cli.store.codecs import DEFAULT_CODEC
 from cachegraft_cli.store.target import Target
 
 
@@ -57,9 +58,9 @@ def encode_corpus(
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
     target = Target.open(store)
-    codec = options.codec or target.codec or "bf16"
+    codec = options.codec or target.codec or DEFAULT_CODEC
     keep = options.keep_for(target.keep)
-    target.check(codec, options.kinds, keep)  # codec, cache kinds, keep ratio: before the lock
+    target.check(codec, options.kinds, keep, options.compressor)  # codec, kinds, keep, compressor: before the lock
     options = options.with_keep(keep)
     summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed")
     with target.locked({"tool": "cachegraft encode"}) as lock:
@@ -71,7 +72,7 @@ def encode_corpus(
         if count or stored is None or not session.names_match(stored):  # other models named: load them to check
             if stored is not None:
                 session.check_template(stored)
-            written = session.open_or_create_store(target, codec, options.also_own_cache, keep)
+            written = session.open_or_create_store(target, codec, options.also_own_cache, keep, options.compressor)
             if progress:
                 progress(0, 0)
             with writing(target.name, "write the store"):

@@ -21,17 +21,19 @@ MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no 
 
 @dataclass
 class EncodeOptions:
-    codec: str | None = None  # None: the existing store's codec, bf16 for a new store
+    codec: str | None = None  # None: the existing store's codec, `store.codecs.DEFAULT_CODEC` (int8) for a new one
     batch_size: int = 8
     max_passage_tokens: int = 512
     also_own_cache: bool = False
     commit_every: int = 2000
     keep: float | None = None  # share of each passage's tokens stored; None: the store's, 1 (all) for a new store
     keep_by: str | None = None  # how they are chosen (`encoding.keep`); None: the store's, else the default
+    compressor: str | None = None  # `store.layout.COMPRESSORS`; None: the store's, zstd for a new store
 
     def __post_init__(self):
         from cachegraft_cli.encoding.keep import KEEP_METHODS
         from cachegraft_cli.store.codecs import CODECS
+        from cachegraft_cli.store.layout import COMPRESSORS
 
         # checked here, before any model loads (tens of seconds); the CLI's options come through here too
         if self.codec is not None:
@@ -44,6 +46,8 @@ class EncodeOptions:
                                       or not 0 < self.keep <= 1):
             raise UsageError(f"keep must be a share of tokens above 0 and at most 1; got {self.keep!r}.",
                              "Pass e.g. --keep 0.5 (half of each passage's tokens), or 1 to store every token.")
+        if self.compressor is not None:
+            one_of("compressor", self.compressor, tuple(COMPRESSORS))
         if self.keep_by is not None and self.keep_by not in KEEP_METHODS:
             raise UsageError(f"unknown keep method {self.keep_by!r}.", f"Use one of: {', '.join(KEEP_METHODS)}.")
 
@@ -307,9 +311,9 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
     ratio = 1.0 if options.keep is None else options.keep
     attention = ratio < 1 and options.keep_by == "attention"  # runners resolve keep_by (`with_keep`)
     for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch], attention=attention)):
-        caches = {"fused": kvcache.to_token_major(kv.fused)}
+        caches = {"fused": kvcache.token_major(kv.fused)}  # on the fusing device: the writer quantises there
         if "own" in writer.store.kinds:
-            caches["own"] = kvcache.to_token_major(kv.own)
+            caches["own"] = kvcache.token_major(kv.own)
         row = chunk.row()
         if ratio < 1:  # pruned after fusion: the kept tokens are the full cache's own bits
             caches, row = _pruned(kv, caches, row, ratio, options.keep_by)

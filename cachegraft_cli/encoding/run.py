@@ -8,6 +8,7 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.session import ModelSession
+from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
 
 def encode_into(
@@ -40,13 +41,13 @@ def encode_into(
 
     options = options or EncodeOptions()
     target = Target.open(store_url)  # a file, a foreign directory, a lost manifest: first, and only once
-    target.check(options.codec, options.kinds)
+    target.check(options.codec, options.kinds, compressor=options.compressor)
     choice = choice_for_encode(target.store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code or None, instruction=instruction).check()
     if ray is None:
         return encode_corpus(passages, target, ModelSession(choice), options, progress, planned=planned)
     from cachegraft_cli.encoding.ray.driver import encode_on_ray
 
-    codec = options.codec or target.codec or "bf16"
+    codec = options.codec or target.codec or DEFAULT_CODEC
     return encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
                          planned=planned)

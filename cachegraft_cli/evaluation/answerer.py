@@ -18,6 +18,7 @@ from pathlib import Path
 from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
 from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 from cachegraft_cli.errors import NoPassagesError, UsageError
+from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
 
 @dataclass
@@ -26,7 +27,7 @@ class AnswererConfig:
     sharer: str | None
     fuser: str | None
     adapter_fuser: str | None = None
-    codec: str = "bf16"
+    codec: str = DEFAULT_CODEC
     keep: float = 1.0  # share of each passage's tokens the stores keep (`encode --keep`)
     keep_by: str = DEFAULT_KEEP_BY
     scheme: str = "rotate"

@@ -66,10 +66,15 @@ def cast(kv: PlainKV, dtype: torch.dtype, device=None) -> PlainKV:
     return [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in kv]
 
 
+def token_major(kv: PlainKV) -> torch.Tensor:
+    """Single-passage KV -> `(tokens, layers, 2, kv_heads, head_dim)` (the store layout), in its own
+    dtype on its own device: the store writer encodes it there (on the GPU that fused it)."""
+    return torch.stack([torch.stack([k, v]) for k, v in kv]).permute(3, 0, 1, 2, 4)  # from (L, 2, H, T, D)
+
+
 def to_token_major(kv: PlainKV) -> np.ndarray:
-    """Single-passage KV -> float32 `(tokens, layers, 2, kv_heads, head_dim)` (the store layout)."""
-    stacked = torch.stack([torch.stack([k, v]) for k, v in kv])  # (L, 2, H, T, D)
-    return stacked.permute(3, 0, 1, 2, 4).to(torch.float32).cpu().numpy()
+    """`token_major` as float32 numpy on the CPU."""
+    return token_major(kv).to(torch.float32).cpu().numpy()
 
 
 def from_token_major(array: np.ndarray, dtype: torch.dtype = torch.float32, device=None) -> PlainKV:

@@ -15,8 +15,8 @@ import numpy as np
 
 from cachegraft_cli.errors import UsageError
 
-CODECS = ("bf16", "int8", "int4", "k2v4", "int2", "float32")
-F16_MAX = float(np.finfo(np.float16).max)
+DEFAULT_CODEC = "int8"  # a new store's, chosen by measurement (README, "Design decisions")
+CODECS = ("bf16", "int8", "int4", "k8v4", "k2v4", "int2", "float32")
 
 
 @dataclass(frozen=True)
@@ -60,28 +60,7 @@ def from_bf16_words(words: np.ndarray) -> np.ndarray:
     return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-# ---- symmetric quantisation helpers ------------------------------------------
-
-
-def _scales(maxabs: np.ndarray, qmax: int) -> np.ndarray:
-    """float16 scales with scale*qmax >= maxabs (so nothing clips unless beyond float16 range)."""
-    want = np.minimum(maxabs.astype(np.float32) / qmax, F16_MAX)
-    s = want.astype(np.float16)
-    low = s.astype(np.float32) < want
-    s[low] = np.nextafter(s[low], np.float16(np.inf))
-    return s
-
-
-def _quantise(x: np.ndarray, scale: np.ndarray, qmax: int) -> np.ndarray:
-    s = scale.astype(np.float32)
-    q = np.divide(x, s, out=np.zeros_like(x), where=s > 0)
-    return np.clip(np.rint(q), -qmax, qmax).astype(np.int8)
-
-
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """4-bit codes (0..15) two per byte: channel 2i in the low nibble, 2i+1 in the high."""
-    n = codes.astype(np.uint8)
-    return n[..., 0::2] | (n[..., 1::2] << 4)
+# ---- decoding helpers (numpy: readers load no torch) ---------------------------
 
 
 def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
@@ -91,34 +70,16 @@ def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
     return out
 
 
-# ---- asymmetric (zero point) quantisation helpers ------------------------------
-
-
-def _zeros_and_scales(lo: np.ndarray, hi: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """float16 (zero, scale) with zero <= lo and zero + levels*scale >= hi, so nothing clips
-    (unless beyond float16's range): the zero is rounded down, the scale up, and the scale is
-    computed from the rounded zero."""
-    lo = np.clip(lo.astype(np.float32), -F16_MAX, F16_MAX)
-    zero = lo.astype(np.float16)
-    high = zero.astype(np.float32) > lo
-    zero[high] = np.nextafter(zero[high], np.float16(-np.inf))
-    return zero, _scales(np.maximum(hi.astype(np.float32) - zero.astype(np.float32), 0), levels)
-
-
-def _quantise_asym(x: np.ndarray, zero: np.ndarray, scale: np.ndarray, levels: int) -> np.ndarray:
-    s = scale.astype(np.float32)
-    q = np.divide(x - zero.astype(np.float32), s, out=np.zeros_like(x), where=s > 0)
-    return np.clip(np.rint(q), 0, levels).astype(np.uint8)
+def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of `quantise.pack_bits`: code j of a byte sits at bit bits * j."""
+    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+    out = np.empty(packed.shape + (per,), np.uint8)
+    for j in range(per):
+        out[..., j] = (packed >> np.uint8(bits * j)) & mask
+    return out.reshape(packed.shape[:-1] + (-1,))
 
 
 # ---- codecs ------------------------------------------------------------------
-
-
-def as_float32(x) -> np.ndarray:
-    """A cache as float32 numpy: numpy arrays as they are, torch tensors moved to the CPU first."""
-    if not hasattr(x, "detach"):
-        return np.asarray(x, dtype=np.float32)
-    return x.detach().to(device="cpu", dtype=_torch().float32).numpy()
 
 
 def _torch():
@@ -127,25 +88,50 @@ def _torch():
     return torch
 
 
+def as_tensor(x):
+    """A cache as a torch tensor where it lives: numpy arrays (float32) wrap without a copy."""
+    return x.detach() if hasattr(x, "detach") else _torch().from_numpy(np.asarray(x, dtype=np.float32))
+
+
 class Codec:
+    """Encoding runs in torch on the device that holds the block (`encode_tensor`; the writer
+    stages blocks where the caches were fused); decoding runs in numpy on the CPU."""
+
     name = ""
     STORED_DEFAULTS: dict = {}  # see get_codec(stored=True)
-    stage_dtype = "float32"  # what the writer buffers until a block is encoded (see `stage`)
 
     def __init__(self, geometry: dict, params: dict | None = None):
         self.layers, self.heads, self.head_dim = _geometry(geometry)
         self.params = dict(params or {})
 
-    def stage(self, x, out: np.ndarray) -> None:
+    def stage_dtype(self, x):
+        """The torch dtype the writer buffers caches like `x` in until a block is encoded: a bf16 or
+        float16 tensor's own (float32 holds it exactly; the quantisers widen the block on its
+        device), float32 otherwise."""
+        torch = _torch()
+        dtype = getattr(x, "dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+    def stage(self, x, out) -> None:
         """Copy one passage's cache (float32 numpy, or a torch tensor on any device) into the
-        writer's block buffer `out`; `encode` later takes the whole buffered block."""
-        out[...] = as_float32(x)
+        writer's block buffer `out` (a torch tensor); `encode_tensor` later takes the block."""
+        out.copy_(as_tensor(x))
 
     def components(self) -> list[Component]:
         raise NotImplementedError
 
-    def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
+    def encode_tensor(self, x) -> dict:
+        """Component rows of a staged block, as torch tensors on the block's device."""
         raise NotImplementedError
+
+    def encode(self, x) -> dict[str, np.ndarray]:
+        """Component rows of a float32 block (numpy or torch), as numpy arrays (staged as the
+        writer stages it, so both give the same bytes)."""
+        torch = _torch()
+        t = as_tensor(x)
+        staged = torch.empty(tuple(t.shape), dtype=self.stage_dtype(t), device=t.device)
+        self.stage(x, staged)
+        return {name: parts_to_numpy(part) for name, part in self.encode_tensor(staged).items()}
 
     def decode(self, parts: dict[str, np.ndarray], start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) from component rows `Component.rows(start, stop)`."""
@@ -156,27 +142,36 @@ class Codec:
         return float(sum(np.dtype(c.dtype).itemsize * np.prod(c.tail) / c.stride for c in self.components()))
 
 
+def parts_to_numpy(t) -> np.ndarray:
+    """A component tensor on any device as a numpy array on the CPU (int16 words as uint16)."""
+    a = t.contiguous().cpu().numpy()
+    return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
 class Bf16Codec(Codec):
     """Lossless for bf16-representable float32: raw 16-bit words."""
 
     name = "bf16"
-    stage_dtype = "uint16"  # the writer buffers the words themselves: half the bytes, no second pass
+
+    def stage_dtype(self, x):
+        return _torch().int16  # the writer buffers the words themselves: half the bytes, no second pass
 
     def components(self) -> list[Component]:
         return [Component("data", "uint16", 1, (self.layers, 2, self.heads, self.head_dim))]
 
     def stage(self, x, out):
-        if not hasattr(x, "detach"):
-            to_bf16_words(np.asarray(x, dtype=np.float32), out)
-            return
         torch = _torch()
+        if not hasattr(x, "detach"):  # numpy float32: round to nearest even, NaN kept a quiet NaN
+            words = to_bf16_words(np.asarray(x, dtype=np.float32)).view(np.int16)
+            out.copy_(torch.from_numpy(words))
+            return
         t = x.detach()
         if t.dtype != torch.bfloat16:  # torch rounds to nearest even, as to_bf16_words does
             t = t.to(torch.bfloat16)
-        out[...] = t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        out.copy_(t.view(torch.int16))
 
-    def encode(self, x):
-        return {"data": x if x.dtype == np.uint16 else to_bf16_words(x)}
+    def encode_tensor(self, x):
+        return {"data": x}
 
     def decode(self, parts, start, stop):
         return from_bf16_words(parts["data"])
@@ -187,11 +182,14 @@ class Float32Codec(Codec):
 
     name = "float32"
 
+    def stage_dtype(self, x):
+        return _torch().float32
+
     def components(self) -> list[Component]:
         return [Component("data", "float32", 1, (self.layers, 2, self.heads, self.head_dim))]
 
-    def encode(self, x):
-        return {"data": np.ascontiguousarray(x, dtype=np.float32)}
+    def encode_tensor(self, x):
+        return {"data": x}
 
     def decode(self, parts, start, stop):
         return parts["data"].astype(np.float32, copy=False)
@@ -206,9 +204,12 @@ class Int8Codec(Codec):
         lay, h, d = self.layers, self.heads, self.head_dim
         return [Component("data", "int8", 1, (lay, 2, h, d)), Component("scale", "float16", 1, (lay, 2, h))]
 
-    def encode(self, x):
-        scale = _scales(np.abs(x).max(axis=-1), 127)
-        return {"data": _quantise(x, scale[..., None], 127), "scale": scale}
+    def encode_tensor(self, x):
+        from cachegraft_cli.store import quantise as qz
+
+        x = x.to(_torch().float32)
+        scale = qz.scales(x.abs().amax(dim=-1), 127)
+        return {"data": qz.quantise_symmetric(x, scale[..., None], 127), "scale": scale}
 
     def decode(self, parts, start, stop):
         return parts["data"].astype(np.float32) * parts["scale"].astype(np.float32)[..., None]
@@ -246,35 +247,31 @@ class Int4Codec(Codec):
             [Component(f"k{n}", "float16", self.kg, (lay, h, d)) for n in names] + \
             [Component(f"v{n}", "float16", 1, (lay, h, d // self.vg)) for n in names]
 
-    def encode(self, x):
+    def encode_tensor(self, x):
+        from cachegraft_cli.store import quantise as qz
+
+        torch = _torch()
+        x = x.to(torch.float32)
         k, v = x[:, :, 0], x[:, :, 1]
-        groups = self._key_groups(k)  # (groups, key_group, L, H, D)
-        vs = v.reshape(v.shape[:-1] + (-1, self.vg))  # (T, L, H, D / value_group, value_group)
-        parts, kq, vq = self._encode_zero_point(k, groups, vs) if self.asym else self._encode_symmetric(k, groups, vs)
-        return {"data": _pack_nibbles(np.stack([kq, vq.reshape(v.shape)], axis=2)), **parts}
+        data = torch.empty(tuple(x.shape[:-1]) + (self.head_dim // 2,), dtype=torch.uint8, device=x.device)
+        if not self.asym:
+            return self._encode_symmetric(k, v, data)
+        kq, kzero, kscale = qz.quantise_keys(k, self.kg, 15)
+        vq, vzero, vscale = qz.quantise_values(v, self.vg, 15)
+        data[:, :, 0], data[:, :, 1] = qz.pack_bits(kq, 4), qz.pack_bits(vq, 4)
+        return {"data": data, "kscale": kscale, "kzero": kzero, "vscale": vscale, "vzero": vzero}
 
-    def _encode_symmetric(self, k, groups, vs):
-        kscale, vscale = _scales(np.abs(groups).max(axis=1), 7), _scales(np.abs(vs).max(axis=-1), 7)
-        kq = _quantise(k, self._per_token(kscale, len(k)), 7) + 8  # codes 1..15
-        vq = _quantise(vs, vscale[..., None], 7) + 8
-        return {"kscale": kscale, "vscale": vscale}, kq, vq
+    def _encode_symmetric(self, k, v, data):
+        """Stores written before zero points (appends keep their codec): levels -7..7, codes 1..15."""
+        from cachegraft_cli.store import quantise as qz
 
-    def _encode_zero_point(self, k, groups, vs):
-        kzero, kscale = _zeros_and_scales(groups.min(axis=1), groups.max(axis=1), 15)
-        vzero, vscale = _zeros_and_scales(vs.min(axis=-1), vs.max(axis=-1), 15)
-        kq = _quantise_asym(k, self._per_token(kzero, len(k)), self._per_token(kscale, len(k)), 15)
-        vq = _quantise_asym(vs, vzero[..., None], vscale[..., None], 15)
-        return {"kscale": kscale, "kzero": kzero, "vscale": vscale, "vzero": vzero}, kq, vq
-
-    def _key_groups(self, k: np.ndarray) -> np.ndarray:
-        """Keys as (groups, key_group, ...); a partial last group is padded with its own last
-        token, which changes neither its max |x| nor its min and max."""
-        groups = -(-len(k) // self.kg)
-        padded = np.concatenate([k, np.repeat(k[-1:], groups * self.kg - len(k), axis=0)])
-        return padded.reshape((groups, self.kg) + k.shape[1:])
-
-    def _per_token(self, per_group: np.ndarray, tokens: int) -> np.ndarray:
-        return np.repeat(per_group, self.kg, axis=0)[:tokens]
+        groups = qz.key_groups(k, self.kg)
+        vs = v.reshape(tuple(v.shape[:-1]) + (-1, self.vg))
+        kscale, vscale = qz.scales(groups.abs().amax(dim=1), 7), qz.scales(vs.abs().amax(dim=-1), 7)
+        kq = qz.quantise_symmetric(k, qz.per_token(kscale, self.kg, len(k)), 7) + 8
+        vq = qz.quantise_symmetric(vs, vscale[..., None], 7) + 8
+        data[:, :, 0], data[:, :, 1] = qz.pack_bits(kq, 4), qz.pack_bits(vq.reshape(v.shape), 4)
+        return {"data": data, "kscale": kscale, "vscale": vscale}
 
     def decode(self, parts, start, stop):
         q = _unpack_nibbles(parts["data"]).astype(np.float32)
@@ -288,25 +285,6 @@ class Int4Codec(Codec):
             v += parts["vzero"].astype(np.float32)[..., None]
         q[:, :, 1] = v.reshape(q.shape[:2] + (self.heads, self.head_dim))
         return q
-
-
-def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
-    """`bits`-bit codes (uint8) packed along the last axis, 8 // bits per byte: code j of a
-    byte sits at bit bits*j (for 4 bits, the nibble order of `_pack_nibbles`)."""
-    per = 8 // bits
-    c = codes.reshape(codes.shape[:-1] + (-1, per))
-    out = c[..., 0].copy()
-    for j in range(1, per):
-        out |= c[..., j] << np.uint8(bits * j)
-    return out
-
-
-def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
-    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
-    out = np.empty(packed.shape + (per,), np.uint8)
-    for j in range(per):
-        out[..., j] = (packed >> np.uint8(bits * j)) & mask
-    return out.reshape(packed.shape[:-1] + (-1,))
 
 
 class KiviCodec(Codec):
@@ -323,8 +301,8 @@ class KiviCodec(Codec):
         self.kg = int(self.params["key_group"])
         self.vg = min(int(self.params["value_group"]), self.head_dim)
         self.params.update(value_group=self.vg)
-        if self.kb not in (2, 4) or self.vb not in (2, 4) or self.kg < 1:
-            raise UsageError(f"{self.name} takes key_bits and value_bits of 2 or 4 and key_group >= 1, got "
+        if self.kb not in (2, 4, 8) or self.vb not in (2, 4, 8) or self.kg < 1:
+            raise UsageError(f"{self.name} takes key_bits and value_bits of 2, 4 or 8 and key_group >= 1, got "
                              f"{self.kb}, {self.vb}, {self.kg}.")
         if self.head_dim % 4 or self.head_dim % self.vg:
             raise UsageError(f"{self.name} needs a head_dim divisible by 4 and by value_group={self.vg}, "
@@ -339,17 +317,13 @@ class KiviCodec(Codec):
                 Component("vscale", "float16", 1, (lay, h, d // self.vg)),
                 Component("vzero", "float16", 1, (lay, h, d // self.vg))]
 
-    def encode(self, x):
-        k, v = x[:, :, 0], x[:, :, 1]
-        groups = -(-len(k) // self.kg)  # a partial last group is padded with its own last token
-        kg = np.concatenate([k, np.repeat(k[-1:], groups * self.kg - len(k), axis=0)])
-        kg = kg.reshape((groups, self.kg) + k.shape[1:])
-        kzero, kscale = _zeros_and_scales(kg.min(axis=1), kg.max(axis=1), 2**self.kb - 1)
-        kq = _quantise_asym(kg, kzero[:, None], kscale[:, None], 2**self.kb - 1).reshape((-1,) + k.shape[1:])
-        vs = v.reshape(v.shape[:-1] + (-1, self.vg))
-        vzero, vscale = _zeros_and_scales(vs.min(axis=-1), vs.max(axis=-1), 2**self.vb - 1)
-        vq = _quantise_asym(vs, vzero[..., None], vscale[..., None], 2**self.vb - 1).reshape(v.shape)
-        return {"kdata": pack_bits(kq[: len(k)], self.kb), "vdata": pack_bits(vq, self.vb),
+    def encode_tensor(self, x):
+        from cachegraft_cli.store import quantise as qz
+
+        x = x.to(_torch().float32)
+        kq, kzero, kscale = qz.quantise_keys(x[:, :, 0], self.kg, 2**self.kb - 1)
+        vq, vzero, vscale = qz.quantise_values(x[:, :, 1], self.vg, 2**self.vb - 1)
+        return {"kdata": qz.pack_bits(kq, self.kb), "vdata": qz.pack_bits(vq, self.vb),
                 "kscale": kscale, "kzero": kzero, "vscale": vscale, "vzero": vzero}
 
     def decode(self, parts, start, stop):
@@ -370,6 +344,14 @@ class K2V4Codec(KiviCodec):
     DEFAULTS = {"key_bits": 2, "value_bits": 4, "key_group": 128, "value_group": 64}
 
 
+class K8V4Codec(KiviCodec):
+    """8-bit keys per channel, int4 values: keys drive the softmax and lose most to coarse codes
+    (2-bit keys cost 17 F1 points where 4-bit values cost 2-4; docs/results.md, "Store size")."""
+
+    name = "k8v4"
+    DEFAULTS = {"key_bits": 8, "value_bits": 4, "key_group": 128, "value_group": 64}
+
+
 class Int2Codec(KiviCodec):
     """2-bit keys and values."""
 
@@ -377,7 +359,7 @@ class Int2Codec(KiviCodec):
     DEFAULTS = {"key_bits": 2, "value_bits": 2, "key_group": 128, "value_group": 32}
 
 
-_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K2V4Codec, Int2Codec, Float32Codec)}
+_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K8V4Codec, K2V4Codec, Int2Codec, Float32Codec)}
 
 
 def get_codec(name: str, geometry: dict, params: dict | None = None, stored: bool = False) -> Codec:

@@ -58,14 +58,21 @@ class Target:
     def keep(self) -> dict | None:
         return self.store.keep if self.store is not None else None
 
-    def check(self, codec: str | None, kinds: tuple[str, ...], keep: dict | None = None) -> None:
-        """Refuse a codec, cache kinds or keep ratio the existing store cannot take (`codec` None: the
-        store's own; `keep` None: every token, as the store must have been made)."""
+    def check(self, codec: str | None, kinds: tuple[str, ...], keep: dict | None = None,
+              compressor: str | None = None) -> None:
+        """Refuse a codec, cache kinds, keep ratio or compressor the existing store cannot take (`codec`,
+        `compressor` None: the store's own; `keep` None: every token, as the store must have been made)."""
         if self.store is None:
             return
         from cachegraft_cli.store.identity import check_keep
+        from cachegraft_cli.store.layout import compressor_name
 
         check_keep(self.url, self.store.keep, keep)
+        have = compressor_name(self.store.compressor)
+        if compressor is not None and have != compressor:
+            raise StoreMismatchError(
+                f"store {self.url} was made with compressor={have!r}, but compressor={compressor!r} was requested.",
+                hint="Leave --compressor out to append with the store's own, or use another --store.")
         stored = self.codec
         if codec is not None and stored != codec:
             raise StoreMismatchError(
@@ -91,10 +98,15 @@ class Target:
                     raise self.store.missing_error()
             yield lock
 
-    def create(self, identity: dict, prefix: np.ndarray, kinds: tuple[str, ...]) -> CacheStore:
-        """The store for `identity`: made now, or the existing one (its identity checked against it)."""
+    def create(self, identity: dict, prefix: np.ndarray, kinds: tuple[str, ...],
+               compressor: str | None = None) -> CacheStore:
+        """The store for `identity`: made now (with the named `compressor`, zstd by default), or the
+        existing one (its identity checked against it)."""
         if self.store is None:
-            self.store = CacheStore.create(self.loc, identity, prefix, kinds)
+            from cachegraft_cli.store.layout import COMPRESSORS
+
+            self.store = CacheStore.create(self.loc, identity, prefix, kinds,
+                                           compressor=COMPRESSORS[compressor or "zstd"])
         else:
             from cachegraft_cli.store import identity as ident_mod
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
+from cachegraft_cli.store.codecs import parts_to_numpy
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
@@ -43,10 +44,10 @@ class StoreWriter:
         self.rows: list[PassageRow] = []
         self.spans: list[tuple[int, int]] = []
         self.crcs: list[dict] = []
-        # one block buffer per kind, a whole shard long, in the codec's staging form: each passage
-        # is copied in once and a full buffer is encoded and written as one new shard
-        self._block = {k: np.empty((store.shard_tokens,) + store.token_shape, store.codec.stage_dtype)
-                       for k in store.kinds}
+        # one block buffer per kind, a whole shard long, in the codec's staging form, made at the
+        # first add on that cache's device: each passage is copied in once, and a full buffer is
+        # encoded there (quantised on the GPU that fused it) and written as one new shard
+        self._block: dict | None = None
         self._buffered = 0
         self._written = 0
         self._arrays: dict = {}
@@ -90,8 +91,8 @@ class StoreWriter:
         return content_hash in self._hashes or self.store.has_hash(content_hash)
 
     def add(self, row: PassageRow, caches: dict) -> PassageRow:
-        """Buffer one passage (float32 numpy arrays, or torch tensors on any device); whole
-        shards are written as they fill."""
+        """Buffer one passage (float32 numpy arrays, or torch tensors on any device: keep them on
+        the device that fused them); whole shards are written as they fill."""
         self._check_open()
         n = self._check_caches(row, caches)
         stored = dataclasses.replace(row, tokens=n, segment=self.name, offset=self.tokens,
@@ -129,28 +130,43 @@ class StoreWriter:
 
     def _stage(self, caches: dict, n: int) -> None:
         """Copy the passage into the block buffers, writing each buffer that fills as a shard."""
+        block = self._make_room_for(next(iter(caches.values())))
         shard, done = self.store.shard_tokens, 0
         while done < n:
             take = min(n - done, shard - self._buffered)
             for kind, x in caches.items():
                 part = x if take == n else x[done: done + take]
-                self.store.codec.stage(part, self._block[kind][self._buffered: self._buffered + take])
+                self.store.codec.stage(part, block[kind][self._buffered: self._buffered + take])
             self._buffered += take
             done += take
             if self._buffered == shard:
                 self._flush()
 
+    def _make_room_for(self, cache) -> dict:
+        """Block buffers that hold `cache` exactly: made at the first add, in the codec's staging dtype
+        for it on its device; widened (exactly) when a cache comes that the staging dtype would round."""
+        import torch
+
+        dtype = self.store.codec.stage_dtype(cache)
+        if self._block is None:
+            device = cache.device if hasattr(cache, "detach") else "cpu"
+            shape = (self.store.shard_tokens,) + self.store.token_shape
+            self._block = {kind: torch.empty(shape, dtype=dtype, device=device) for kind in self.store.kinds}
+        elif dtype == torch.float32 and next(iter(self._block.values())).dtype in (torch.bfloat16, torch.float16):
+            self._block = {kind: b.to(torch.float32) for kind, b in self._block.items()}
+        return self._block
+
     def _flush(self) -> None:
-        if self._buffered:
+        if self._buffered and self._block is not None:
             self._write_block({k: b[: self._buffered] for k, b in self._block.items()})
             self._buffered = 0
 
-    def _write_block(self, block: dict[str, np.ndarray]) -> None:
+    def _write_block(self, block: dict) -> None:
         start = self._written
         stop = start + len(next(iter(block.values())))
         comps = self.store.codec.components()
         for kind, x in block.items():
-            parts = self.store.codec.encode(x)
+            parts = {name: parts_to_numpy(t) for name, t in self.store.codec.encode_tensor(x).items()}
             for comp in comps:
                 self._write_shard(kind, comp, start, parts[comp.name])
             checksums.feed(self.spans, self.crcs, kind, comps, parts, start, stop)

@@ -179,7 +179,9 @@ CASES = [
     # paths and stores
     Case("store-is-a-file", _enc("good.jsonl", store="plainfile"), 5, "plainfile is a file"),
     Case("store-foreign-dir", _enc("good.jsonl", store="junkdir"), 5, "junkdir is a directory with other files"),
-    Case("store-other-codec", _enc("good.jsonl", "--codec", "int8", store="store"), 5, "codec='bf16'"),
+    Case("store-other-codec", _enc("good.jsonl", "--codec", "bf16", store="store"), 5, "codec='int8'"),
+    Case("store-other-compressor", _enc("good.jsonl", "--compressor", "none", store="store"), 5, "compressor='zstd'"),
+    Case("encode-bad-compressor", _enc("good.jsonl", "--compressor", "gzip"), 2, "compressor"),
     Case("store-no-own-caches", _enc("good.jsonl", "--also-own-cache", store="store"), 5, "without own caches"),
     Case("store-lost-manifest", _enc("good.jsonl", store="nomanifest"), 7, "manifest.json is missing"),
     # ask: questions files, options, stores

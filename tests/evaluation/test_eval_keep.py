@@ -9,7 +9,7 @@ from cachegraft_cli.evaluation.variants import check_variant, parse_variant
 
 
 def _config(**kw):
-    return AnswererConfig("r", "s", "f", stores_dir="/tmp/x", **kw)
+    return AnswererConfig("r", "s", "f", stores_dir="/tmp/x", **{"codec": "bf16", **kw})
 
 
 def test_store_variants_parse_and_name_their_stores():
@@ -20,6 +20,12 @@ def test_store_variants_parse_and_name_their_stores():
     urls = {answerer._store_url("squad", "f", s) for s in answerer.stores_needed}
     assert len(urls) == 3 and answerer._store_url("squad", "f") in urls
     assert answerer.options("graft@keep=0.5@order=retrieval", 5).order == "retrieval"
+
+
+def test_the_default_store_is_encode_default():
+    from cachegraft_cli.store.codecs import DEFAULT_CODEC
+
+    assert AnswererConfig("r", "s", "f").codec == DEFAULT_CODEC == "int8"
 
 
 def test_unpruned_keys_are_the_old_keys():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import reference_codecs
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from store_support import bf16_cache, identity
 
 from cachegraft_cli.store import CacheStore, PassageRow, codec_bytes_per_token, raw_bf16_bytes_per_token
-from cachegraft_cli.store.codecs import CODECS, from_bf16_words, get_codec, pack_bits, to_bf16_words, unpack_bits
+from cachegraft_cli.store.codecs import CODECS, from_bf16_words, get_codec, to_bf16_words, unpack_bits
+from cachegraft_cli.store.quantise import pack_bits
 
 TARGET = {"layers": 24, "kv_heads": 2, "head_dim": 64}
 LIMITS = {"int8": 0.52, "int4": 0.28}
@@ -67,7 +70,7 @@ PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCh
 LOSSLESS = ("bf16", "float32")
 # the largest |error| a codec allows, as a share of the block's max |x| (half a step of the coarsest
 # scale, plus float16 rounding of scale and zero)
-STEP = {"int8": 1 / 127, "int4": 1 / 15, "k2v4": 1 / 3, "int2": 1 / 3}
+STEP = {"int8": 1 / 127, "int4": 1 / 15, "k2v4": 1 / 3, "int2": 1 / 3, "k8v4": 1 / 15}
 
 
 def _block(seed: int, tokens: int, scale: float) -> np.ndarray:
@@ -108,11 +111,38 @@ def test_decoding_any_token_range_gives_the_same_values(codec, seed, tokens, dat
     assert np.array_equal(c.decode(sliced, start, stop), whole[start:stop])
 
 
+QUANTISED = [("int8", None), ("int4", None), ("int4", {"zero_point": False}), ("k2v4", None), ("int2", None),
+             ("k8v4", None)]
+
+
+@PROPS
+@given(st.sampled_from(QUANTISED), st.integers(0, 2**32 - 1), st.integers(1, 300), st.floats(1e-3, 1e3),
+       st.sampled_from(["plain", "bf16", "zero-keys", "zero-tokens"]))
+def test_torch_encoders_give_the_numpy_reference_bytes(codec, seed, tokens, scale, shape):
+    """The encoders run in torch on the cache's device; the bytes are those of the numpy encoders
+    that wrote every earlier store (tests/store/reference_codecs.py), bit for bit: float16 scale
+    and zero rounding, zero-scale groups, partial key groups, the symmetric int4 of old stores."""
+    x = _block(seed, tokens, scale) if shape == "bf16" else \
+        (np.random.default_rng(seed).normal(0, scale, (tokens, 2, 2, 2, 16))).astype(np.float32)
+    if shape == "zero-keys":
+        x[:, :, 0] = 0
+    if shape == "zero-tokens":
+        x[: max(1, tokens // 3)] = 0
+    c = get_codec(codec[0], SMALL, codec[1])
+    ours, reference = c.encode(x), reference_codecs.encode(c, x)
+    assert set(ours) == set(reference)
+    for name, part in reference.items():
+        assert ours[name].dtype == part.dtype and ours[name].shape == part.shape
+        assert ours[name].tobytes() == part.tobytes(), name
+    assert {n: p.tobytes() for n, p in c.encode(torch.from_numpy(x)).items()} == {n: p.tobytes() for n, p in
+                                                                                  ours.items()}
+
+
 @PROPS
 @given(st.sampled_from([2, 4]), st.integers(0, 2**32 - 1), st.integers(1, 6))
 def test_bit_packing_round_trips(bits, seed, groups):
     codes = np.random.default_rng(seed).integers(0, 2**bits, size=(3, groups * 8 // bits), dtype=np.uint8)
-    packed = pack_bits(codes, bits)
+    packed = pack_bits(torch.from_numpy(codes), bits).numpy()
     assert packed.shape == (3, groups) and np.array_equal(unpack_bits(packed, bits), codes)
 
 

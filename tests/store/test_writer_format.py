@@ -20,7 +20,7 @@ from cachegraft_cli.store.codecs import CODECS, get_codec
 FIXTURES = Path(__file__).parent / "fixtures" / "format2"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text()) if FIXTURES.exists() else {}
 OLD_CODECS = ("bf16", "int8", "int4", "float32")
-PARAMS = {"int4": {"key_group": 32}, "k2v4": {"key_group": 32}, "int2": {"key_group": 32}}
+PARAMS = {"int4": {"key_group": 32}, "k2v4": {"key_group": 32}, "int2": {"key_group": 32}, "k8v4": {"key_group": 32}}
 
 
 def digest(arr: np.ndarray) -> str:
@@ -109,6 +109,25 @@ def test_torch_tensors_make_the_same_store_as_numpy_arrays(tmp_path, codec):
         [t.checksum(i, "fused") for t in b.tables for i in range(len(t))]
     ids = [f"p{i}" for i in range(3)]
     assert all(np.array_equal(x, y) for x, y in zip(a.read(ids), b.read(ids)))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "k2v4"])
+def test_a_float32_cache_after_bf16_ones_is_staged_exactly(tmp_path, codec):
+    """The quantisers stage bf16 tensors as bf16 (half the buffer, widened on the device at
+    encode); a float32 cache that bf16 would round, added to the same block later, widens the
+    buffer first: the store equals one written from float32 arrays throughout."""
+    rng = np.random.default_rng(4)
+    data = [bf16_cache(rng, 30), bf16_cache(rng, 20), rng.normal(size=(25,) + TOKEN_SHAPE).astype(np.float32)]
+    assert not np.array_equal(data[2], torch.from_numpy(data[2]).to(torch.bfloat16).float().numpy())
+    a, b = make(tmp_path, codec, "a"), make(tmp_path, codec, "b")
+    with a.writer() as wa, b.writer() as wb:
+        for i, x in enumerate(data):
+            wa.add(row(i), {"fused": x})
+            wb.add(row(i), {"fused": torch.from_numpy(x).to(torch.bfloat16) if i < 2 else x})
+    a, b = CacheStore.open(str(tmp_path / "a")), CacheStore.open(str(tmp_path / "b"))
+    ids = [f"p{i}" for i in range(3)]
+    assert all(np.array_equal(x, y) for x, y in zip(a.read(ids), b.read(ids)))
+    assert a.verify()["ok"] and b.verify()["ok"]
 
 
 def test_a_cache_that_does_not_convert_aborts_the_session(tmp_path):

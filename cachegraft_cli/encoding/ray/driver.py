@@ -43,6 +43,7 @@ from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
 from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, StoreNotFoundError, UsageError
 from cachegraft_cli.session import ModelChoice, check_kinds
+from cachegraft_cli.store.codecs import DEFAULT_CODEC
 from cachegraft_cli.store.target import Target
 
 
@@ -105,7 +106,8 @@ def encode_on_ray(
     ray = require_ray()
     check_devices(choice.device, ray_options)
     target = Target.open(store_url)
-    target.check(options.codec or "bf16", options.kinds, options.keep_for(target.keep))  # before the cluster
+    target.check(options.codec or DEFAULT_CODEC, options.kinds, options.keep_for(target.keep),
+                 options.compressor)  # before the cluster
     if options.keep_for(target.keep) is not None:
         raise UsageError("the Ray runner does not prune passages (--keep below 1) yet.",
                          "Encode a pruned store with --runner local.")
@@ -227,7 +229,7 @@ def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOpt
         url = target.loc.raw_url or target.loc.url  # a relative path means the driver's directory, on every node
         task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
         raise_error_record(_ray_get(ray, task(create_store).remote(choice, url, options.codec,
-                                                                   options.also_own_cache)))
+                                                                   options.also_own_cache, options.compressor)))
         target.store = CacheStore.open(target.loc)
     check_kinds(target.store, options.also_own_cache)
     return target.store

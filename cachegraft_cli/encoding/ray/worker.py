@@ -12,15 +12,17 @@ from collections import defaultdict
 from cachegraft_cli.encoding.plan import Chunk, EncodeOptions, EncodeSummary, encode_window, run_info
 from cachegraft_cli.errors import CacheGraftError
 from cachegraft_cli.session import ModelChoice, ModelSession
+from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
 RUNNER = "ray"
 
 
-def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool) -> dict | None:
+def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache: bool,
+                 compressor: str | None = None) -> dict | None:
     """Make the store (prefix cache, identity) exactly as the local runner does; runs where the models can load.
     Our own errors come back as data (`error_record`), not raised: Ray would wrap them."""
     try:
-        ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache)
+        ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache, compressor=compressor)
     except CacheGraftError as exc:
         return error_record(exc)
     return None
@@ -57,7 +59,7 @@ class FuseWriter:
         try:
             self.session = ModelSession(choice)
             # a node with other weights, tokenizer or settings is refused here, before it writes anything
-            self.store = CacheStore.open(store_url, expect=self.session.identity(options.codec or "bf16"))
+            self.store = CacheStore.open(store_url, expect=self.session.identity(options.codec or DEFAULT_CODEC))
         except CacheGraftError as exc:  # reported with the first window: Ray would only say the actor died
             self.error = exc
 
