@@ -152,8 +152,8 @@ class StoreWriter:
             device = cache.device if hasattr(cache, "detach") else "cpu"
             shape = (self.store.shard_tokens,) + self.store.token_shape
             self._block = {kind: torch.empty(shape, dtype=dtype, device=device) for kind in self.store.kinds}
-        elif dtype == torch.float32 and next(iter(self._block.values())).dtype in (torch.bfloat16, torch.float16):
-            self._block = {kind: b.to(torch.float32) for kind, b in self._block.items()}
+        elif dtype != (have := next(iter(self._block.values())).dtype) and have in (torch.bfloat16, torch.float16):
+            self._block = {kind: b.to(torch.float32) for kind, b in self._block.items()}  # e.g. bf16 then fp16
         return self._block
 
     def _flush(self) -> None:
