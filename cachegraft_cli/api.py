@@ -270,7 +270,7 @@ def encode(
     or dicts with `id`, `text` and optional `title` (other keys become metadata). The encode
     settings come as `options` or one by one (`codec`, `batch_size`, `keep`, ...; one given
     overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`;
-    `compressor="none"` trades 10-20% more bytes for several times less writer CPU).
+    `compressor="none"` trades 10-20% more bytes for about 40% less writer CPU).
     `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings in `ray`).
     Re-encoding what is stored is skipped without loading any model; `planned(n)`
     hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""

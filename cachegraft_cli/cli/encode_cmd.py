@@ -42,7 +42,7 @@ def encode(
         help="How --keep chooses tokens: even (evenly spaced, the default), attention (received at the "
              "receiver's last layers) or norm.")] = None,
     compressor: Annotated[Optional[str], typer.Option(
-        help="zstd (smaller) or none (several times less writer CPU, 10-20% more bytes: for a writer that "
+        help="zstd (smaller) or none (about 40% less writer CPU for 10-20% more bytes: for a writer that "
              "must keep up with a GPU) (default: the store's, zstd for a new one).")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
