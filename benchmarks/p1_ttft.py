@@ -95,12 +95,8 @@ def measure(asker, questions, options: dict, repeats: int, others: dict | None =
         for q in questions:
             for system in bc.rotated(list(options), turn):
                 before = asker.store.stats.bytes
-                if system in others:
-                    res = others[system].ask(q.question, options["graft"])
-                    out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"],
-                                                         "recomputed": res["tokens"]["recomputed"]})
-                    continue
-                res = asker.ask(q.question, options[system])
+                who, how = (others[system], options["graft"]) if system in others else (asker, options[system])
+                res = who.ask(q.question, how)
                 out[system].append(res["timings"] | {"prompt_tokens": res["tokens"]["prompt"],
                                                      "recomputed": res["tokens"]["recomputed"]})
                 if system == "graft":

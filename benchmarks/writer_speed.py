@@ -40,8 +40,13 @@ GEOMETRIES = {
 }
 
 
-COMPRESSORS = {"default": None, "none": {"name": "none"},
-               "lz4": {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}
+def compressors() -> dict:
+    """`encode --compressor`'s names and specs, plus Blosc lz4 for comparison (not an encode setting).
+    A checkout from before `--compressor` (before/after runs) has only its default, as zstd."""
+    from cachegraft_cli.store import layout
+
+    known = getattr(layout, "COMPRESSORS", {"zstd": layout.DEFAULT_COMPRESSOR})
+    return {**known, "lz4": {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}
 
 
 def parse_args():
@@ -53,8 +58,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (the median is printed)")
     p.add_argument("--input", choices=("numpy", "torch-bf16"), default="torch-bf16",
                    help="what add() gets: bf16 torch tensors (what encode hands it) or float32 numpy")
-    p.add_argument("--compressor", choices=sorted(COMPRESSORS), default="default",
-                   help="the store's compressor: default (Blosc zstd 1), none, or lz4 (Blosc lz4 5)")
+    p.add_argument("--compressor", choices=sorted(compressors()), default="zstd",
+                   help="the store's compressor: zstd (Blosc zstd 1, the default), none, or lz4 (Blosc lz4 5)")
     p.add_argument("--read", action="store_true", help="also time CacheStore.read of 5 passages of 150 tokens")
     p.add_argument("--receiver", default="", help="model dir: also measure bytes and reconstruction error per "
                    "codec on this receiver's own KV of --corpus passages")
@@ -124,7 +129,7 @@ def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> tuple:
     shape = data.shape[1:]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32),
-                                  compressor=COMPRESSORS[args.compressor])
+                                  compressor=compressors()[args.compressor])
         items = list(passages(data, args.tokens, args.passage_tokens, args.input))
         timed = Timed(store.codec)
         t0 = time.process_time()

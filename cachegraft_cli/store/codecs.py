@@ -124,14 +124,17 @@ class Codec:
         """Component rows of a staged block, as torch tensors on the block's device."""
         raise NotImplementedError
 
+    def encode_staged(self, block) -> dict[str, np.ndarray]:
+        """Component rows of a staged block, encoded on its device and brought to the CPU as numpy."""
+        return {name: parts_to_numpy(part) for name, part in self.encode_tensor(block).items()}
+
     def encode(self, x) -> dict[str, np.ndarray]:
         """Component rows of a float32 block (numpy or torch), as numpy arrays (staged as the
         writer stages it, so both give the same bytes)."""
-        torch = _torch()
         t = as_tensor(x)
-        staged = torch.empty(tuple(t.shape), dtype=self.stage_dtype(t), device=t.device)
+        staged = _torch().empty(tuple(t.shape), dtype=self.stage_dtype(t), device=t.device)
         self.stage(x, staged)
-        return {name: parts_to_numpy(part) for name, part in self.encode_tensor(staged).items()}
+        return self.encode_staged(staged)
 
     def decode(self, parts: dict[str, np.ndarray], start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) from component rows `Component.rows(start, stop)`."""
@@ -268,7 +271,8 @@ class Int4Codec(Codec):
         groups = qz.key_groups(k, self.kg)
         vs = v.reshape(tuple(v.shape[:-1]) + (-1, self.vg))
         kscale, vscale = qz.scales(groups.abs().amax(dim=1), 7), qz.scales(vs.abs().amax(dim=-1), 7)
-        kq = qz.quantise_symmetric(k, qz.per_token(kscale, self.kg, len(k)), 7) + 8
+        kq = qz.quantise_symmetric(groups, kscale[:, None], 7).reshape((-1,) + tuple(k.shape[1:]))
+        kq = kq[: k.shape[0]] + 8
         vq = qz.quantise_symmetric(vs, vscale[..., None], 7) + 8
         data[:, :, 0], data[:, :, 1] = qz.pack_bits(kq, 4), qz.pack_bits(vq.reshape(v.shape), 4)
         return {"data": data, "kscale": kscale, "vscale": vscale}

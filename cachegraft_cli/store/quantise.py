@@ -96,8 +96,3 @@ def key_groups(k: torch.Tensor, group: int) -> torch.Tensor:
     if pad:
         k = torch.cat([k, k[-1:].expand((pad,) + tuple(k.shape[1:]))])
     return k.reshape((groups, group) + tuple(k.shape[1:]))
-
-
-def per_token(per_group: torch.Tensor, group: int, tokens: int) -> torch.Tensor:
-    """A per-group array repeated for each of the group's tokens (the first `tokens`)."""
-    return per_group.repeat_interleave(group, dim=0)[:tokens]

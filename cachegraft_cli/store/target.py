@@ -106,7 +106,7 @@ class Target:
             from cachegraft_cli.store.layout import COMPRESSORS
 
             self.store = CacheStore.create(self.loc, identity, prefix, kinds,
-                                           compressor=COMPRESSORS[compressor or "zstd"])
+                                           compressor=COMPRESSORS[compressor] if compressor else None)
         else:
             from cachegraft_cli.store import identity as ident_mod
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
-from cachegraft_cli.store.codecs import parts_to_numpy
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
@@ -166,7 +165,7 @@ class StoreWriter:
         stop = start + len(next(iter(block.values())))
         comps = self.store.codec.components()
         for kind, x in block.items():
-            parts = {name: parts_to_numpy(t) for name, t in self.store.codec.encode_tensor(x).items()}
+            parts = self.store.codec.encode_staged(x)
             for comp in comps:
                 self._write_shard(kind, comp, start, parts[comp.name])
             checksums.feed(self.spans, self.crcs, kind, comps, parts, start, stop)
