@@ -9,6 +9,7 @@ from engine_suite import DIM, LexicalEngineTests, VectorEngineTests
 
 from cachegraft_cli.retrieval import engines
 from cachegraft_cli.retrieval.engines import segments
+from cachegraft_cli.retrieval.engines.flat import exact_search
 
 
 class TestTantivy(LexicalEngineTests):
@@ -66,3 +67,23 @@ def test_an_append_writes_a_new_segment_and_leaves_old_files(tmp_path):
     engine.commit()
     after = {p: p.stat().st_mtime_ns for p in (tmp_path / "e").rglob("*") if p.is_file()}
     assert all(after[p] == t for p, t in before.items()) and len(engine.segments) == 2
+
+
+def test_usearch_scores_small_segments_exactly_and_large_ones_through_its_graph(tmp_path, monkeypatch):
+    """Segments of at most EXACT_ROWS rows are brute-forced (every self-query finds its own row);
+    larger ones go through the HNSW graph, whose recall of self-queries is held to 99%."""
+    from cachegraft_cli.retrieval.engines import usearch
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((600, DIM)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    for exact_rows, name in ((len(x), "exact"), (len(x) - 1, "graph")):
+        brute = []
+        monkeypatch.setattr(usearch, "EXACT_ROWS", exact_rows)
+        monkeypatch.setattr(usearch, "exact_search", lambda *a, calls=brute: calls.append(1) or exact_search(*a))
+        engine = engines.create("usearch", tmp_path / name)
+        engine.put(list(range(len(x))), x)
+        engine.commit()
+        hits = sum(int(rows[0]) == i for i, (rows, _) in enumerate(engine.search(x, 3)))
+        assert hits == len(x) if name == "exact" else hits >= 0.99 * len(x)
+        assert bool(brute) == (name == "exact")

@@ -18,6 +18,19 @@ from cachegraft_cli.retrieval.engines.segments import SegmentedVectors
 SCORE_BLOCK = 1 << 24  # scores held at once (queries x segment rows): 64 MB
 
 
+def exact_search(rows: np.ndarray, vectors: np.ndarray, queries: np.ndarray, count: int) -> list[Ranked]:
+    """The best `count` rows per query by brute-force dot products over a segment's float32 `vectors`."""
+    count = min(count, len(rows))
+    out: list[Ranked] = []
+    step = max(1, SCORE_BLOCK // max(len(rows), 1))
+    for lo in range(0, len(queries), step):
+        scores = queries[lo:lo + step] @ vectors.T
+        for row_scores in scores:
+            top = np.argpartition(-row_scores, count - 1)[:count] if count < len(rows) else np.arange(len(rows))
+            out.append((np.asarray(rows[top], np.int64), row_scores[top].astype(np.float32)))
+    return out
+
+
 class FlatEngine(SegmentedVectors):
     name = "flat"
     exact = True
@@ -29,15 +42,7 @@ class FlatEngine(SegmentedVectors):
         return np.load(path / "vectors.npy", mmap_mode="r", allow_pickle=False)
 
     def search_segment(self, handle: Any, rows: np.ndarray, queries: np.ndarray, count: int) -> list[Ranked]:
-        count = min(count, len(rows))
-        out: list[Ranked] = []
-        step = max(1, SCORE_BLOCK // max(len(rows), 1))
-        for lo in range(0, len(queries), step):
-            scores = queries[lo:lo + step] @ handle.T
-            for row_scores in scores:
-                top = np.argpartition(-row_scores, count - 1)[:count] if count < len(rows) else np.arange(len(rows))
-                out.append((np.asarray(rows[top], np.int64), row_scores[top].astype(np.float32)))
-        return out
+        return exact_search(rows, handle, queries, count)
 
     def segment_vectors(self, handle: Any, rows: np.ndarray) -> np.ndarray:
         return np.asarray(handle, np.float32)

@@ -10,6 +10,12 @@ expansion 128 when adding and 1024 when searching: on the benchmark's 130k
 rows (SQuAD among Gaussian distractors) 512 found 99.0% of the exact top 5 and
 lost 0.7 points of SQuAD recall@5, 1024 found 99.6% and lost 0.3, at twice
 the query time (docs/results.md, "Retrieval").
+
+A segment of at most `EXACT_ROWS` rows is scored exactly against all its float32
+vectors instead: the graph of a small segment (a fresh append) can leave a node
+unreachable, so that a query equal to a stored vector missed its own row (4 of
+600 such queries over 40 builds of 60 rows, with the graph built on two
+threads), and scoring a few thousand rows costs less than the graph search.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from typing import Any
 import numpy as np
 
 from cachegraft_cli.retrieval.engines.base import Ranked
+from cachegraft_cli.retrieval.engines.flat import exact_search
 from cachegraft_cli.retrieval.engines.segments import SegmentedVectors
 
 FILE = "hnsw.usearch"
 VECTORS = "vectors.npy"  # float32, in the order of rows.npy: rescoring is exact
 DTYPES = ("i8", "f16", "f32")
+EXACT_ROWS = 4096  # segments this small are scored exactly (see the module docstring)
 
 
 def _threads() -> int:
@@ -68,6 +76,8 @@ class UsearchEngine(SegmentedVectors):
     def search_segment(self, handle: Any, rows: np.ndarray, queries: np.ndarray, count: int) -> list[Ranked]:
         graph, vectors = handle
         count = min(count, len(rows))
+        if len(rows) <= EXACT_ROWS:
+            return exact_search(rows, vectors, queries, count)
         matches = graph.search(queries, min(len(rows), max(4 * count, count + 32)), threads=_threads())
         keys = np.atleast_2d(matches.keys).astype(np.int64)
         # one query comes back as `Matches` (already cut to what was found), several as `BatchMatches`
