@@ -17,8 +17,9 @@ systems too.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Any, Callable
 
 from cachegraft_cli.answering.assembly import (
     DEFAULT_SCHEME,
@@ -31,7 +32,7 @@ from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_question
 from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
 from cachegraft_cli.lm.generation import Prompt, RowStreams
 
-__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker"]
+__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker", "Prepared"]
 
 
 class Asker:
@@ -87,19 +88,25 @@ class Asker:
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None,
             cancelled: Callable[[], bool] | None = None) -> dict:
         """One question; `on_text` hears the answer as it is decoded, `cancelled()` true stops it early."""
+        from cachegraft_cli.lm.generation import generate
+
+        prepared = self.prepare(question, options)
+        gen = generate(prepared.lm, prepared.prompt, options.generation, on_text, prepared.started, cancelled)
+        return prepared.result(gen)
+
+    def prepare(self, question: str, options: AskOptions) -> "Prepared":
+        """Everything before decoding: checks, retrieval, the caches loaded into a prompt."""
         options.check()
         self.check_system(options.system)
         check_question(question)
-        from cachegraft_cli.lm.generation import generate
-
         t0 = time.perf_counter()
         hits = self.retrieve(question, options.k) if options.system != "closed" else []
         t_retrieve = time.perf_counter()
         lm, prompt = self.build_prompt(question, hits, options)
         t_load = time.perf_counter()
-        gen = generate(lm, prompt, options.generation, on_text, t0, cancelled)
-        timings = {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve, **gen.timings}
-        return _result(question, gen, prompt, hits, self.store.get_rows([h.id for h in hits]), options, timings)
+        rows = self.store.get_rows([h.id for h in hits])
+        return Prepared(question, options, hits, rows, lm, prompt, t0,
+                        {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve})
 
     def check_fits(self, questions: list[str], options: AskOptions) -> None:
         """Refuse a question whose prompt would reach past the model's context window, before any
@@ -263,6 +270,26 @@ class Asker:
                 )
             out.append(tokens)
         return out
+
+
+@dataclass
+class Prepared:
+    """A question ready to decode (`Asker.prepare`): its model and prompt, what was retrieved,
+    and when its request started (so `first_token` covers retrieval and loading)."""
+
+    question: str
+    options: AskOptions
+    hits: list
+    rows: list
+    lm: Any
+    prompt: Prompt
+    started: float
+    timings: dict
+
+    def result(self, gen) -> dict:
+        """What `ask --json` prints for this question, answered by `gen`."""
+        return _result(self.question, gen, self.prompt, self.hits, self.rows, self.options,
+                       {**self.timings, **gen.timings})
 
 
 def _window(streams: RowStreams | None, start: int, n: int) -> RowStreams | None:

@@ -40,9 +40,10 @@ def serve(
     index_kind: Annotated[Optional[str], typer.Option(help="Search hybrid indexes as bm25 or dense.")] = None,
     max_queue: Annotated[int, typer.Option(min=1, help="Questions waiting or being answered; one more gets "
                                                        "429.")] = 64,
-    max_batch: Annotated[int, typer.Option(min=1, max=256, help="Questions decoded together.")] = 8,
-    batch_wait: Annotated[float, typer.Option(min=0.0, max=10000.0, help="Milliseconds the worker waits for more "
-                                                                         "questions to batch with one.")] = 25.0,
+    max_batch: Annotated[int, typer.Option(min=1, max=256, help="Questions decoding at once (more wait in "
+                                                                "the queue).")] = 8,
+    batch_wait: Annotated[float, typer.Option(min=0.0, max=10000.0, help="Milliseconds an idle worker waits for more "
+                                                                         "questions to prefill with one.")] = 25.0,
     max_k: Annotated[int, typer.Option(min=1, help="Largest k a request may ask for.")] = 20,
     max_tokens: Annotated[int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")] = 512,
     max_body: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes.")] = 1 << 20,

@@ -102,10 +102,10 @@ def generate(
     config = config or GenerationConfig()
     t_call = time.perf_counter()
     t0 = started if started is not None else t_call
-    step = _Stepper(lm, prompt)
+    step = Stepper(lm, prompt)
     logits = step.first()
     t_prefill = time.perf_counter()
-    out, stops, streamer = [], stop_ids(lm), _Streamer(lm.tokenizer, on_text)
+    out, stops, streamer = [], stop_ids(lm), Streamer(lm.tokenizer, on_text)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     t_first = None
     for _ in range(config.max_new_tokens):
@@ -143,7 +143,7 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
 
 
-class _Stepper:
+class Stepper:
     """Feeds tokens at explicit positions, growing the cache.
 
     A prompt with a visibility matrix gets it as a 4D mask in the first
@@ -208,7 +208,7 @@ class RowStreams:
     stopped: Callable[[int], bool] = lambda i: False
 
 
-class _Streamer:
+class Streamer:
     """Emits the newly decoded text after each token (whole characters only)."""
 
     def __init__(self, tokenizer, on_text):
@@ -236,22 +236,29 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
     """
     config = config or GenerationConfig()
     t0 = time.perf_counter()
-    past, past_mask = _pad_pasts([p.past for p in prompts])
-    ids, positions, qmask = _pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
-    for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
-        past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
-    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
-    if any(p.visible is not None for p in prompts):
-        logits = step.first(ids, positions, qmask, _batch_visibility(prompts, past_mask, qmask))
-    else:
-        logits = step(ids, positions, qmask)
+    step, logits, next_pos = prefill_batch(lm, prompts)
     t_prefill = time.perf_counter()
-    rows = _decode_rows(step, logits, positions[:, -1] + 1, lm, config, streams)
+    rows = _decode_rows(step, logits, next_pos, lm, config, streams)
     t_end = time.perf_counter()
     timings = {"prefill": t_prefill - t0, "first_token": t_prefill - t0, "total": t_end - t0}
     decode = lm.tokenizer.decode
     return [Generation(out, decode(out, skip_special_tokens=True).strip(), p.question_tokens, dict(timings))
             for out, p in zip(rows, prompts)]
+
+
+def prefill_batch(lm, prompts: list[Prompt]):
+    """The first forward of several prompts together: (stepper, last logits `(batch, vocab)`,
+    next positions `(batch,)`). Rows are left-padded (see `generate_batch`)."""
+    past, past_mask = pad_pasts([p.past for p in prompts])
+    ids, positions, qmask = pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
+    for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
+        past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
+    step = BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
+    if any(p.visible is not None for p in prompts):
+        logits = step.first(ids, positions, qmask, batch_visibility(prompts, past_mask, qmask))
+    else:
+        logits = step(ids, positions, qmask)
+    return step, logits, positions[:, -1] + 1
 
 
 def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
@@ -260,7 +267,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
     rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-    streamers = [_Streamer(lm.tokenizer, on_text) for on_text in streams.on_text] if streams else []
+    streamers = [Streamer(lm.tokenizer, on_text) for on_text in streams.on_text] if streams else []
     for n in range(config.max_new_tokens):
         tokens = [pick_token(row_logits, config, rng) for row_logits in logits]
         for i, t in enumerate(tokens):
@@ -277,7 +284,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
     return rows
 
 
-def _pad_pasts(pasts: list[PlainKV | None]):
+def pad_pasts(pasts: list[PlainKV | None]):
     lengths = [kvcache.num_tokens(p) if p else 0 for p in pasts]
     width = max(lengths)
     if width == 0:
@@ -297,7 +304,7 @@ def _pad_pasts(pasts: list[PlainKV | None]):
     return layers, mask
 
 
-def _pad_inputs(prompts: list[Prompt], pad: int):
+def pad_inputs(prompts: list[Prompt], pad: int):
     width = max(len(p.ids) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p.ids)) + list(p.ids) for p in prompts])
     positions = torch.tensor([[p.positions[0]] * (width - len(p.ids)) + list(p.positions) for p in prompts])
@@ -305,7 +312,7 @@ def _pad_inputs(prompts: list[Prompt], pad: int):
     return ids, positions, mask
 
 
-def _batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
+def batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
     """(batch, 1, inputs, past + inputs): each row's own visibility moved to its padded place.
     Rows without one see what a plain causal prompt sees; pad queries see only themselves."""
     batch, width = qmask.shape
@@ -324,7 +331,7 @@ def _batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: tor
     return out
 
 
-class _BatchStepper:
+class BatchStepper:
     """Feeds a batch of tokens at explicit positions with a growing 2D mask."""
 
     def __init__(self, lm, cache, mask):

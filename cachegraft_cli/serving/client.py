@@ -3,6 +3,7 @@ to a running `cachegraft serve` (`POST /v1/ask`), answers as `ask --json` has th
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,17 +22,12 @@ class Client:
     """A connection to a server (`url` like http://127.0.0.1:8000); `api_key` if it needs one."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
-        try:
-            import httpx
-        except ImportError:
-            raise UsageError("`ask --server` needs httpx (the serve extra).",
-                             "Install it: pip install 'cachegraft[serve]'") from None
-
         if not url.startswith(("http://", "https://")):
             raise UsageError(f"--server {url!r} is not an http(s) URL.", "Use e.g. --server http://127.0.0.1:8000")
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self.url, self.timeout = url.rstrip("/"), timeout
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def ask(self, store: str, question: str, options: AskOptions) -> dict:
         """One answer, exactly what `ask --json` prints."""
@@ -50,32 +46,37 @@ class Client:
             return list(pool.map(one, questions))
 
     def _post(self, path: str, body: dict) -> Any:
-        import httpx
+        # urllib, not httpx: a shell's `ask --server` pays Python's start-up and this module's
+        # imports on every question, and httpx's import alone took ~80 ms of a ~1 s answer.
+        import urllib.error
+        import urllib.request
 
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers=self.headers,
+                                         method="POST")
         try:
-            response = self.http.post(path, json=body)
-        except httpx.TransportError as exc:
-            raise ServerError(f"Cannot reach the server at {self.url} ({type(exc).__name__}: {exc}).",
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise _error(exc.code, exc.read(), self.url) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerError(f"Cannot reach the server at {self.url} ({type(reason).__name__}: {reason}).",
                               "Start one with `cachegraft serve --store DIR`, or check --server / "
                               "CACHEGRAFT_SERVER.") from None
-        if response.status_code == 200:
-            return response.json()
-        raise _error(response, self.url)
 
     def close(self) -> None:
-        self.http.close()
+        """Nothing is held between requests (one connection each)."""
 
 
-def _error(response, url: str) -> CacheGraftError:
+def _error(status: int, body: bytes, url: str) -> CacheGraftError:
     """The server's JSON error as the typed error `cachegraft ask` would have raised itself."""
     try:
-        error = response.json()["error"]
+        error = json.loads(body)["error"]
         message, hint, code = str(error["message"]), str(error.get("hint") or ""), error.get("code")
     except (ValueError, KeyError, TypeError):
-        return ServerError(f"The server at {url} answered HTTP {response.status_code} without a JSON error.",
+        return ServerError(f"The server at {url} answered HTTP {status} without a JSON error.",
                            "Check that --server points at `cachegraft serve`.")
     message = message.removesuffix(hint).strip() if hint else message
-    status = response.status_code
     if status == 401:
         return ServerError(message, "Pass the server's key with --api-key or CACHEGRAFT_API_KEY.")
     if status in (429, 503):

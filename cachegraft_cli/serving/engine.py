@@ -1,13 +1,14 @@
-"""The server's one worker: a bounded queue of questions, and the decode loop that answers
-together the questions that arrived together.
+"""The server's one worker: a bounded queue of questions and a continuous batch decoding them.
 
 One thread runs every model call (torch uses the cores; the event loop stays free to accept
-and stream). It takes the oldest question and every other waiting one with the same store
-and options (up to `max_batch`) and decodes them in one batch (`Asker.ask_many`); a lone
-question goes through `Asker.ask`, the path `cachegraft ask` takes, so its answer is the
-CLI's. Between batches it looks for a store that changed on disk (an append committed by
-`encode`, a new index version) and swaps in a fresh snapshot of it, so every answer is read
-from one store state and one index state.
+and stream). Between two decode steps it starts every waiting question that fits (up to
+`max_batch` decoding at once): retrieves, loads its caches, prefills it together with the
+questions that arrived with it, and streams its first token, then the question joins its
+model's running batch (`lm.batching`). So a question waits for one decode step of the others,
+not for their whole answers. A lone question is decoded exactly as `cachegraft ask` decodes it,
+so its answer is the CLI's. Between steps the worker also looks for a store that changed on
+disk (an append committed by `encode`, a new index version) and swaps in a fresh snapshot of
+it: a question is retrieved and loaded from one store state and one index state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cachegraft_cli.answering.options import AskOptions
-from cachegraft_cli.errors import CacheGraftError, NoPassagesError
+from cachegraft_cli.errors import CacheGraftError
 from cachegraft_cli.serving.requests import RequestError
 
 
@@ -80,7 +81,8 @@ class Engine:
         self._closing = False
         self._checked = time.monotonic()
         self._thread: threading.Thread | None = None
-        self.batches: Counter[int] = Counter()  # how many batches of each size were decoded (GET /health)
+        self._running: dict[int, Any] = {}  # one RunningBatch per loaded model (by id)
+        self.batches: Counter[int] = Counter()  # how many questions started together, by count (GET /health)
 
     # -- set-up (before the server accepts anything) -------------------------------------------------
 
@@ -138,6 +140,7 @@ class Engine:
     def load(self) -> dict:
         with self._cond:
             return {"waiting": len(self._queue), "admitted": self._admitted, "limit": self.settings.max_queue,
+                    "decoding": self._decoding(),
                     "batches": {str(size): n for size, n in sorted(self.batches.items())}}
 
     def close(self) -> None:
@@ -158,76 +161,123 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            group = self._next()
-            if group is None:
+            jobs = self._next()
+            if jobs is None:
                 return
             self._watch()
-            if group:
-                self._run(group)
+            for job in jobs:
+                if job.kind != "ask":
+                    self._run_other(job)
+            self._start([j for j in jobs if j.kind == "ask"])
+            self._step()
+
+    def _decoding(self) -> int:
+        return sum(len(b) for b in self._running.values())
 
     def _next(self) -> list[Job] | None:
-        """The next batch: the oldest job and the waiting ones it can be decoded with. [] on a
-        quiet interval (time to look at the stores), None once closing with nothing left."""
+        """The jobs to start before the next decode step: every waiting retrieval or reload, and
+        the waiting questions that fit in the running batches (`max_batch` rows in all). Waits
+        only when nothing is decoding: up to `gather_seconds` for companions of a first question,
+        or a quiet interval (then [] : time to look at the stores). None once closing with
+        nothing left."""
         s = self.settings
         with self._cond:
-            if not self._queue:
+            if not self._queue and not self._decoding():
                 if self._closing:
                     return None
                 self._cond.wait(timeout=s.watch_seconds or None)
                 return []
-            first = self._queue.popleft()
-            deadline = time.monotonic() + s.gather_seconds  # companions arriving by then join this batch
-            while first.kind == "ask" and len(self._queue) < s.max_batch - 1 and time.monotonic() < deadline:
-                self._cond.wait(timeout=deadline - time.monotonic())
-            group = [first] + [j for j in self._queue if j.same_batch(first)][: s.max_batch - 1]
-            for job in group[1:]:
-                self._queue.remove(job)
-            return group if first.kind == "ask" else [first]
+            if not self._decoding() and self._queue[0].kind == "ask":
+                deadline = time.monotonic() + s.gather_seconds  # companions arriving by then start together
+                while len(self._queue) < s.max_batch and time.monotonic() < deadline:
+                    self._cond.wait(timeout=deadline - time.monotonic())
+            room = s.max_batch - self._decoding()
+            jobs = []
+            for job in list(self._queue):
+                if job.kind != "ask" or room > 0:
+                    room -= job.kind == "ask"
+                    jobs.append(job)
+                    self._queue.remove(job)
+            return jobs
 
-    def _run(self, group: list[Job]) -> None:
-        live = [j for j in group if not j.cancelled.is_set() and j.future.set_running_or_notify_cancel()]
+    def _run_other(self, job: Job) -> None:
+        """A retrieval or a reload, between decode steps."""
         try:
-            if live:
-                if live[0].kind == "ask":
-                    self.batches[len(live)] += 1
-                self._answer(live)
+            if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
+                return
+            if job.kind == "reload":
+                job.future.set_result(self.reload(force=True))
+            else:
+                job.future.set_result(self._retrieve(job))
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the waiting request, never kills the worker
+            job.future.set_exception(exc)
         finally:
-            for job in group:
+            self._release(job)
+
+    def _start(self, jobs: list[Job]) -> None:
+        """Prepare each question (retrieve, load its caches), then prefill the ones that share a
+        model together and let them join that model's running batch."""
+        from cachegraft_cli.lm.batching import Row
+
+        by_model: dict[int, list[Row]] = {}
+        for job in jobs:
+            if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
+                self._release(job)
+                continue
+            try:
+                prepared = self.askers[job.store].prepare(job.question, job.options)
+            except Exception as exc:  # noqa: BLE001 - this question's error, the others go on
+                self._fail([job], exc)
+                continue
+            row = Row(prepared.prompt, job.options.generation, job.on_text, job.cancelled.is_set,
+                      prepared.started, (job, prepared))
+            by_model.setdefault(id(prepared.lm), []).append(row)
+        for rows in by_model.values():
+            lm = rows[0].tag[1].lm
+            batch = self._batch_for(lm)
+            self.batches[len(rows)] += 1
+            try:
+                finished = batch.admit(rows)
+            except Exception as exc:  # noqa: BLE001
+                self._fail([r.tag[0] for r in rows], exc)
+                continue
+            self._finish(finished, lm)
+
+    def _batch_for(self, lm):
+        from cachegraft_cli.lm.batching import RunningBatch
+
+        if id(lm) not in self._running:
+            self._running[id(lm)] = RunningBatch(lm)
+        return self._running[id(lm)]
+
+    def _step(self) -> None:
+        """One decode step of each running batch; answered rows leave it."""
+        for key, batch in list(self._running.items()):
+            if not len(batch):
+                continue
+            try:
+                finished = batch.step()
+            except Exception as exc:  # noqa: BLE001 - the batch's questions fail, the server goes on
+                self._fail([r.tag[0] for r in batch.rows], exc)
+                del self._running[key]
+                continue
+            self._finish(finished, batch.lm)
+
+    def _finish(self, rows, lm) -> None:
+        for row in rows:
+            job, prepared = row.tag
+            try:
+                job.future.set_result(prepared.result(row.generation(lm.tokenizer)))
+            except Exception as exc:  # noqa: BLE001
+                job.future.set_exception(exc)
+            finally:
                 self._release(job)
 
-    def _answer(self, group: list[Job]) -> None:
-        first = group[0]
-        try:
-            if first.kind == "reload":
-                first.future.set_result(self.reload(force=True))
-            elif first.kind == "retrieve":
-                first.future.set_result(self._retrieve(first))
-            elif len(group) == 1:
-                first.future.set_result(self._ask(first))
-            else:
-                self._ask_together(group)
-        except Exception as exc:  # noqa: BLE001 - every failure goes to the waiting request, never kills the worker
-            for job in group:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-
-    def _ask(self, job: Job) -> dict:
-        return self.askers[job.store].ask(job.question, job.options, on_text=job.on_text,
-                                          cancelled=job.cancelled.is_set)
-
-    def _ask_together(self, group: list[Job]) -> None:
-        from cachegraft_cli.lm.generation import RowStreams
-
-        asker = self.askers[group[0].store]
-        streams = RowStreams([j.on_text for j in group], lambda row: group[row].cancelled.is_set())
-        try:
-            results = asker.ask_many([j.question for j in group], group[0].options, len(group), streams)
-        except NoPassagesError:  # one question found nothing: answer each alone, so only that one fails
-            for job in group:
-                self._answer([job])
-            return
-        for job, result in zip(group, results):
-            job.future.set_result(result)
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(exc)
+            self._release(job)
 
     def _retrieve(self, job: Job) -> dict:
         asker = self.askers[job.store]

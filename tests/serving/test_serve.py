@@ -103,7 +103,7 @@ def test_questions_waiting_together_are_decoded_as_one_batch(store):
             t.join()
         assert [r.status_code for r in results] == [200, 200, 200]
         assert server.engine.load()["batches"] == {"3": 1}
-        assert all("batch" in r.json()["timings"] for r in results)
+        assert all(set(r.json()["timings"]) == {"retrieve", "load", "prefill", "first_token", "total"} for r in results)
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_recovers(store):
@@ -182,3 +182,24 @@ def test_ask_server_prints_what_ask_prints(live, store, tmp_path, capsys, monkey
     code, out, err = run_cli(capsys, monkeypatch, "ask", "--questions", qfile, "--store", store, "-b", 3)
     assert min(greedy_margins) >= MIN_GREEDY_MARGIN  # batches formed by arrival vs by file: equal up to rounding
     assert [without_timings(x) for x in lines] == [without_timings(json.loads(line)) for line in out.splitlines()]
+
+
+def test_a_question_joins_the_running_batch_without_waiting_for_the_others_answer(store):
+    """Continuous batching: a question that arrives while another decodes is answered while that
+    one is still decoding (it waited for a decode step, not for the other's whole answer)."""
+    from cachegraft_cli.answering.options import AskOptions
+    from cachegraft_cli.lm.sampling import GenerationConfig
+    from cachegraft_cli.serving.engine import Job
+
+    with LiveServer({"docs": store}) as server:
+        engine, pieces = server.engine, []
+        long = Job("ask", "docs", QUESTIONS[0], AskOptions(k=2, generation=GenerationConfig(200)),
+                   on_text=pieces.append)
+        engine.submit(long)
+        wait_until(lambda: len(pieces) >= 2)
+        short = engine.submit(Job("ask", "docs", QUESTIONS[1], AskOptions(k=2, generation=GenerationConfig(3))))
+        answer = short.future.result(timeout=120)
+        assert not long.future.done() and engine.load()["decoding"] == 1
+        engine.cancel(long)
+        assert 2 <= long.future.result(timeout=120)["tokens"]["generated"] < 200
+        assert answer["tokens"]["generated"] <= 3 and engine.load() == {**engine.load(), "admitted": 0, "decoding": 0}

@@ -1,0 +1,183 @@
+"""Continuous batching: a running batch of answers that new questions join between decode steps.
+
+The server keeps one `RunningBatch` per loaded model. A question that arrives while others
+decode waits for one decode step, not for their whole answers: it is prefilled on its own (or
+with the questions that arrived with it), its first token is picked and streamed at once, and
+its cache then joins the batch, left-padded to the batch's width (pads masked out, positions
+explicit per row). A row that ends (a stop token, its token limit, its client gone) leaves the
+batch at once, and the columns only pads still hold are cut.
+
+A row alone that never shared a batch is decoded with exactly the forward calls `generate`
+makes, so a lone question's answer is `cachegraft ask`'s bit for bit. Rows decoded together
+agree with it up to float summation order, as `generate_batch`'s rows do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cachegraft_cli.lm import generation, kvcache
+from cachegraft_cli.lm.generation import Generation, Prompt, Stepper, Streamer, prefill_batch, stop_ids
+from cachegraft_cli.lm.sampling import GenerationConfig
+
+
+@dataclass(eq=False)
+class Row:
+    """One answer in a running batch. `started` is when its request began (for `first_token`);
+    `cancelled()` true ends it after the current token; `tag` is the caller's."""
+
+    prompt: Prompt
+    config: GenerationConfig
+    on_text: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+    started: float | None = None
+    tag: Any = None
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+    timings: dict = field(default_factory=dict)
+
+    def begin(self, lm, t_call: float, t_prefill: float) -> None:
+        self.t0 = self.started if self.started is not None else t_call
+        self.timings["prefill"] = t_prefill - t_call
+        self.stops, self.streamer = stop_ids(lm), Streamer(lm.tokenizer, self.on_text)
+        seed = self.config.seed
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.t_first: float | None = None
+        self.done = self.config.max_new_tokens <= 0
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Pick the next token from `logits`, as `generate`'s loop does."""
+        token = generation.pick_token(logits, self.config, self.rng)  # looked up here: tests wrap it
+        self.t_first = self.t_first or time.perf_counter()
+        if token in self.stops:
+            self.done = True
+            return
+        self.out.append(token)
+        self.streamer.push(self.out)
+        stopped = self.cancelled is not None and self.cancelled()
+        self.done = len(self.out) >= self.config.max_new_tokens or stopped
+
+    def generation(self, tokenizer) -> Generation:
+        t_end = time.perf_counter()
+        text = tokenizer.decode(self.out, skip_special_tokens=True).strip()
+        timings = {**self.timings, "first_token": (self.t_first or t_end) - self.t0, "total": t_end - self.t0}
+        return Generation(list(self.out), text, self.prompt.question_tokens, timings)
+
+
+@dataclass
+class _Block:
+    """Rows decoded by one forward: their model cache, 2D mask (None: every slot visible to
+    every row, no padding) and next RoPE position per row."""
+
+    cache: Any
+    mask: torch.Tensor | None
+    positions: torch.Tensor
+
+
+class RunningBatch:
+    """The rows one model decodes together; `admit` adds rows, `step` decodes one token of each."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        self.rows: list[Row] = []
+        self.block: _Block | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def admit(self, rows: list[Row]) -> list[Row]:
+        """Prefill `rows` together, pick their first tokens, and merge the ones still going into
+        the batch. Returns the rows already finished (one-token answers)."""
+        t_call = time.perf_counter()
+        block, logits = self._prefill([r.prompt for r in rows])
+        t_prefill = time.perf_counter()
+        for row, row_logits in zip(rows, logits):
+            row.begin(self.lm, t_call, t_prefill)
+            if not row.done:
+                row.take(row_logits)
+        going = [i for i, r in enumerate(rows) if not r.done]
+        if going:
+            block = block if len(going) == len(rows) else _select(block, going, self.lm.model.config)
+            self.block = block if self.block is None else _merge(self.block, block, self.lm.model.config)
+            self.rows += [rows[i] for i in going]
+        return [r for r in rows if r.done]
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One decode step of every row; returns the rows that ended with it (they leave)."""
+        if not self.rows or self.block is None:
+            return []
+        b, device = self.block, self.lm.device
+        kwargs = {}
+        if b.mask is not None:
+            b.mask = torch.cat([b.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
+            kwargs["attention_mask"] = b.mask.to(device)
+        out = self.lm.model(input_ids=torch.tensor([[r.out[-1]] for r in self.rows], device=device),
+                            cache=b.cache, position_ids=b.positions[:, None].to(device), use_cache=True,
+                            logits_to_keep=1, **kwargs)
+        b.cache, b.positions = out.cache, b.positions + 1
+        for row, row_logits in zip(self.rows, out.logits[:, -1].float()):
+            row.take(row_logits)
+        return self._drop_done()
+
+    def _drop_done(self) -> list[Row]:
+        done = [r for r in self.rows if r.done]
+        if done:
+            going = [i for i, r in enumerate(self.rows) if not r.done]
+            self.rows = [self.rows[i] for i in going]
+            self.block = _select(self.block, going, self.lm.model.config) if going else None
+        return done
+
+    def _prefill(self, prompts: list[Prompt]) -> tuple[_Block, torch.Tensor]:
+        if len(prompts) == 1:  # `generate`'s own first forward: a lone answer stays the CLI's
+            stepper = Stepper(self.lm, prompts[0])
+            logits = stepper.first()[None]
+            return _Block(stepper.cache, stepper.mask, torch.tensor([stepper.position])), logits
+        stepper, logits, next_pos = prefill_batch(self.lm, prompts)
+        return _Block(stepper.cache, stepper.mask, next_pos), logits
+
+
+def _select(block, rows: list[int], config) -> _Block:
+    """The block of `rows` only, without the leading columns that none of them sees."""
+    index = torch.tensor(rows)
+    kv = [(k[index.to(k.device)], v[index.to(v.device)]) for k, v in kvcache.from_model_cache(block.cache)]
+    mask = block.mask[index] if block.mask is not None else None
+    if mask is not None:
+        first = int(mask.any(dim=0).nonzero()[0]) if mask.any() else 0
+        kv, mask = kvcache.slice_tokens(kv, first, mask.shape[1]), mask[:, first:]
+        kv = [(k.contiguous(), v.contiguous()) for k, v in kv]
+    return _Block(kvcache.to_model_cache(kv, config), mask, block.positions[index])
+
+
+def _merge(a: _Block, b: _Block, config) -> _Block:
+    """Both blocks as one batch: each left-padded to the wider one, pads masked out."""
+    kv_a, kv_b = kvcache.from_model_cache(a.cache), kvcache.from_model_cache(b.cache)
+    len_a, len_b = kvcache.num_tokens(kv_a), kvcache.num_tokens(kv_b)
+    width = max(len_a, len_b)
+    kv = [(torch.cat([_pad_left(ka, width), _pad_left(kb, width)]), torch.cat([_pad_left(va, width),
+                                                                              _pad_left(vb, width)]))
+          for (ka, va), (kb, vb) in zip(kv_a, kv_b)]
+    if a.mask is None and b.mask is None and len_a == len_b:
+        mask = None
+    else:
+        mask = torch.cat([_pad_left(_mask_of(a, len_a), width), _pad_left(_mask_of(b, len_b), width)])
+    return _Block(kvcache.to_model_cache(kv, config), mask, torch.cat([a.positions, b.positions]))
+
+
+def _mask_of(block: _Block, length: int) -> torch.Tensor:
+    return block.mask if block.mask is not None else torch.ones(len(block.positions), length, dtype=torch.long)
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zeros before the token axis (-2 for KV, -1 for masks) up to `width`."""
+    axis = -2 if x.dim() == 4 else -1
+    missing = width - x.shape[axis]
+    if missing == 0:
+        return x
+    pad = (0, 0, missing, 0) if axis == -2 else (missing, 0)
+    return torch.nn.functional.pad(x, pad)
