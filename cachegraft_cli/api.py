@@ -248,6 +248,8 @@ def encode(
     commit_every: int | None = None,
     keep: float | None = None,
     compressor: str | None = None,
+    mismatched_sharer: bool | None = None,
+    sharer_notes: int | None = None,
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
@@ -270,7 +272,9 @@ def encode(
     or dicts with `id`, `text` and optional `title` (other keys become metadata). The encode
     settings come as `options` or one by one (`codec`, `batch_size`, `keep`, ...; one given
     overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`;
-    `compressor="none"` trades 10-20% more bytes for about 40% less writer CPU).
+    `compressor="none"` trades 10-20% more bytes for about 40% less writer CPU;
+    `mismatched_sharer=True` makes the control store `system="mismatched"` reads;
+    `sharer_notes=N` stores and fuses up to N tokens of the sharer's notes with each passage).
     `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings in `ray`).
     Re-encoding what is stored is skipped without loading any model; `planned(n)`
     hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""
@@ -286,7 +290,8 @@ def encode(
         callbacks={"progress": progress, "planned": planned})
     settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
                                 "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep,
-                                "compressor": compressor}
+                                "compressor": compressor, "mismatched_sharer": mismatched_sharer,
+                                "sharer_notes": sharer_notes}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
     if isinstance(corpus, (str, Path)):

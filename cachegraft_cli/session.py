@@ -131,21 +131,35 @@ class ModelSession:
         """Only an open fuser fed by the sharer needs it; an adapter is fed zeros."""
         return self.fuser is not None and getattr(self.fuser.spec, "sharer_input", "model") != "zero"
 
-    def _fuser_identity(self) -> dict | None:
+    def _fuser_identity(self, sharer_input: dict | None = None) -> dict | None:
         if self.fuser is None:
             return None
         ident = {"name": self.choice.fuser, "fingerprint": self.fuser.fingerprint()[:32]}
         if not self._runs_sharer():
             ident["sharer_input"] = "zero"
+        elif sharer_input:
+            ident.update(sharer_input)
         return ident
 
-    def identity(self, codec: str, keep: dict | None = None) -> dict:
+    def check_mismatched(self) -> None:
+        """The mismatched-sharer control needs a fuser fed by the sharer (checked once it is loaded)."""
+        if not self._runs_sharer():
+            from cachegraft_cli.errors import UsageError
+
+            what = "an adapter (fed zeros)" if self.fuser is not None else "no fuser (closed)"
+            raise UsageError(f"--mismatched-sharer needs a fuser fed by the sharer; this encode has {what}.",
+                             "Use a sharer-fed fuser, e.g. --preset offline.")
+
+    def identity(self, codec: str, keep: dict | None = None, sharer_input: dict | None = None,
+                 notes: dict | None = None) -> dict:
         """What the store's caches depend on; a store made otherwise is refused. `keep` (a pruned
-        store's ratio and method) is recorded only when tokens are dropped."""
+        store's ratio and method) is recorded only when tokens are dropped, `sharer_input` (what a
+        sharer-fed fuser read instead of each passage, `encoding.donors`) and `notes` (the sharer's
+        notes, `encoding.notes`) only when there are."""
         ident = {
             "receiver": self.receiver.identity,
             "sharer": self.sharer.identity if self._runs_sharer() else None,
-            "fuser": self._fuser_identity(),
+            "fuser": self._fuser_identity(sharer_input),
             "template": self.template.identity(),
             "prefix_token_ids": self.template.prefix_ids(),
             "position_scheme": POSITION_SCHEME,
@@ -153,10 +167,13 @@ class ModelSession:
             "codec": codec,
             "geometry": self.receiver.geometry.as_dict(),
         }
+        if notes:
+            ident["notes"] = notes
         return {**ident, "keep": keep} if keep is not None else ident
 
     def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None,
-                             compressor: str | None = None):
+                             compressor: str | None = None, sharer_input: dict | None = None,
+                             notes: dict | None = None):
         """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
         or the existing one (identity checked). A store that already keeps own caches goes on
         keeping them, asked or not."""
@@ -171,8 +188,8 @@ class ModelSession:
             check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         with writing(target.name, "create the store"):
-            return target.create(self.identity(codec, keep), prefix, store.kinds if store is not None else kinds,
-                                 compressor)
+            return target.create(self.identity(codec, keep, sharer_input, notes), prefix,
+                                 store.kinds if store is not None else kinds, compressor)
 
     def names_match(self, store) -> bool:
         """Whether this session names the receiver, fuser and (where it ran one) sharer the store

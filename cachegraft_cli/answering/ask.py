@@ -157,7 +157,7 @@ class Asker:
         rows = self.store.get_rows([h.id for h in in_prompt_order(hits, options.order)])
         question_tokens = len(template.question_ids(question))
         if options.system not in CACHE_KIND:
-            passages = sum(len(template.passage_ids(r.title, r.text)) for r in rows)
+            passages = sum(len(template.passage_ids(r.title, r.read_text)) for r in rows)
             return len(template.prefix_ids()) + passages + question_tokens
         lengths = [r.tokens for r in rows]
         shared = options.scheme == "shared" and lengths
@@ -181,7 +181,7 @@ class Asker:
         else:
             lm, template = self._text_model(options.system)
             rows = self.store.get_rows(ids)
-            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.text)]
+            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.read_text)]
             prompt = Prompt.plain(None, tokens + template.question_ids(question), 0)
         _check_context(lm, prompt, options.generation.max_new_tokens)
         return lm, prompt
@@ -260,7 +260,7 @@ class Asker:
         template = self.session.template
         out = []
         for row, array, k in zip(self.store.get_rows(ids), arrays, kept):
-            tokens = template.passage_ids(row.title, row.text)
+            tokens = template.passage_ids(row.title, row.read_text)
             if len(tokens) != (len(array) if k is None else k[1]):
                 raise StoreMismatchError(
                     f"Passage {row.id!r} tokenizes to {len(tokens)} tokens but its cache was made from "

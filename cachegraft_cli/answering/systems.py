@@ -7,8 +7,8 @@ from cachegraft_cli.checks import one_of, text
 from cachegraft_cli.errors import UsageError
 
 # One definition, in help order: the systems answering from stored caches, then the baselines.
-SYSTEMS = ("graft", "adapter", "cache", "text", "closed", "sharer-text")
-CACHE_KIND = {"graft": "fused", "adapter": "fused", "cache": "own"}  # the store caches a system reads
+SYSTEMS = ("graft", "adapter", "mismatched", "cache", "text", "closed", "sharer-text")
+CACHE_KIND = {"graft": "fused", "adapter": "fused", "mismatched": "fused", "cache": "own"}  # the caches a system reads
 K_FREE_SYSTEMS = ("closed",)  # answer without passages: one answer serves every k
 ADAPTER_FUSER = "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter"  # the shipped adapter (offline pair)
 
@@ -17,20 +17,28 @@ def check_name(system: str) -> None:
     one_of("system", system, SYSTEMS)
 
 
+_MADE_FOR = {"zero": "adapter", "mismatched": "mismatched"}  # a store's sharer input -> the one system it serves
+_HOW = {"adapter": f"Encode a store with --fuser {ADAPTER_FUSER} (offline pair), or with a fuser trained with "
+                   "`train-fuser --sharer-input zero`, for this system.",
+        "mismatched": "Encode a store with `cachegraft encode --mismatched-sharer` (a sharer-fed fuser) for this "
+                      "system."}
+
+
 def check_system(store, system: str) -> None:
-    """Refuse a system the store cannot serve: `graft` and `adapter` name what the store's
-    fuser is, and `cache` needs the receiver's own caches."""
+    """Refuse a system the store cannot serve: `graft`, `adapter` and `mismatched` name what the
+    store's fuser was fed as the sharer's cache, and `cache` needs the receiver's own caches."""
+    from cachegraft_cli.store.identity import sharer_input
+
     check_name(system)
     url = store.loc.url
-    fuser = store.identity.get("fuser") or {}
-    is_adapter = fuser.get("sharer_input") == "zero"
-    if system == "adapter" and not is_adapter:
-        raise UsageError(f"Store {url} was not encoded with an adapter fuser.",
-                         f"Encode a store with --fuser {ADAPTER_FUSER} (offline pair), or with a fuser trained "
-                         "with `train-fuser --sharer-input zero`, for this system.")
-    if system == "graft" and is_adapter:
-        raise UsageError(f"Store {url} holds adapter caches (its fuser never saw the sharer).",
-                         "Ask it with --system adapter, or use a store encoded with a sharer-fed fuser.")
+    made_for = _MADE_FOR.get(sharer_input(store.identity))
+    if system in _HOW and made_for != system:
+        raise UsageError(f"Store {url} was not encoded for the {system} system"
+                         + (f" (it serves {made_for})." if made_for else "."), _HOW[system])
+    if system == "graft" and made_for is not None:
+        raise UsageError(f"Store {url} holds {made_for} caches (its fuser was not fed each passage's own "
+                         "sharer cache).", f"Ask it with --system {made_for}, or use a store encoded with a "
+                         "sharer-fed fuser.")
     kind = CACHE_KIND.get(system)
     if kind is not None and kind not in store.kinds:
         raise UsageError(

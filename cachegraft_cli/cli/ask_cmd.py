@@ -30,7 +30,8 @@ def ask(
     store: StoreOpt,
     question: Annotated[Optional[str], typer.Argument(help="The question (or use --questions).")] = None,
     k: TopKOpt = 3,
-    system: Annotated[str, typer.Option(help="graft, adapter, cache, text, closed or sharer-text.")] = "graft",
+    system: Annotated[str, typer.Option(help="graft, adapter, mismatched, cache, text, closed or "
+                                             "sharer-text.")] = "graft",
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,

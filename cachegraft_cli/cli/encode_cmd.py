@@ -44,6 +44,15 @@ def encode(
     compressor: Annotated[Optional[str], typer.Option(
         help="zstd (smaller) or none (about 40% less writer CPU for 10-20% more bytes: for a writer that "
              "must keep up with a GPU) (default: the store's, zstd for a new one).")] = None,
+    mismatched_sharer: Annotated[Optional[bool], typer.Option(
+        "--mismatched-sharer/--no-mismatched-sharer",
+        help="A control store for `--system mismatched`: the sharer reads another passage of the corpus "
+             "(nearest in length, another title) instead of each passage (default: the store's, off for a "
+             "new one).")] = None,
+    sharer_notes: Annotated[Optional[int], typer.Option(
+        min=0, max=1024, help="The sharer writes up to N tokens of notes about each passage (key facts as "
+                              "question-answer pairs); they are stored and fused with it (default: the store's, "
+                              "0 = none for a new one).")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
         int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")
@@ -87,7 +96,7 @@ def encode(
 
     # Everything is checked before anything is written or any model loads (the API checks the rest).
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every, keep, keep_by,
-                            compressor)
+                            compressor, mismatched_sharer, sharer_notes)
     runner = _runner(runner, engine)
     ray = _ray_options(runner, address, actors, gpus_per_actor, cpus_per_actor)
     with showing_status(json_out), EncodeProgress(0) as bar:  # the plan sets its total before it shows

@@ -28,7 +28,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         envvar="CACHEGRAFT_API_KEY", help="Require 'Authorization: Bearer KEY' on every request.")] = None,
     k: TopKOpt = 3,
-    system: Annotated[str, typer.Option(help="Default system: graft, adapter, cache, text, closed or "
+    system: Annotated[str, typer.Option(help="Default system: graft, adapter, mismatched, cache, text, closed or "
                                              "sharer-text.")] = "graft",
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,

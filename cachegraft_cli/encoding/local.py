@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encoding.donors import donor_identity
+from cachegraft_cli.encoding.notes import notes_identity
 from cachegraft_cli.encoding.plan import (
     Chunk,
     EncodeOptions,
@@ -31,6 +34,7 @@ from cachegraft_cli.encoding.plan import (
     encode_window,
     new_chunks,
     run_info,
+    with_donors,
 )
 from cachegraft_cli.session import ModelSession
 from cachegraft_cli.store.codecs import DEFAULT_CODEC
@@ -60,8 +64,18 @@ def encode_corpus(
     target = Target.open(store)
     codec = options.codec or target.codec or DEFAULT_CODEC
     keep = options.keep_for(target.keep)
-    target.check(codec, options.kinds, keep, options.compressor)  # codec, kinds, keep, compressor: before the lock
-    options = options.with_keep(keep)
+    target.check(codec, options.kinds, keep, options.compressor, options.mismatched_sharer,  # before the lock
+                 options.sharer_notes)
+    mismatched = target.mismatched if options.mismatched_sharer is None else options.mismatched_sharer
+    notes = target.notes if options.sharer_notes is None else options.sharer_notes
+    if mismatched and (session.choice.fuser or "closed") == "closed":
+        session.check_mismatched()  # refused before any model loads
+    if notes and not session.choice.sharer:
+        from cachegraft_cli.errors import UsageError
+
+        raise UsageError("--sharer-notes needs a sharer to write them, and none is named.",
+                         "Name one with --sharer (or a preset).")
+    options = replace(options.with_keep(keep), mismatched_sharer=mismatched, sharer_notes=notes)
     summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed")
     with target.locked({"tool": "cachegraft encode"}) as lock:
         stored = target.store  # up to date under the lock (another writer may have made it meanwhile)
@@ -72,12 +86,17 @@ def encode_corpus(
         if count or stored is None or not session.names_match(stored):  # other models named: load them to check
             if stored is not None:
                 session.check_template(stored)
-            written = session.open_or_create_store(target, codec, options.also_own_cache, keep, options.compressor)
+            if mismatched:
+                session.check_mismatched()
+            written = session.open_or_create_store(target, codec, options.also_own_cache, keep, options.compressor,
+                                                   donor_identity(mismatched), notes_identity(notes))
             if progress:
                 progress(0, 0)
+            todo = new_chunks(source, known, session.template, options)
+            if mismatched:  # donors are chosen among all of this run's passages: the plan is held whole
+                todo = iter(with_donors(list(todo)))
             with writing(target.name, "write the store"):
-                _write(new_chunks(source, known, session.template, options), written, session, options, summary,
-                       progress, lock)
+                _write(todo, written, session, options, summary, progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)
     summary.finish()
     return summary
@@ -88,19 +107,31 @@ def reencode_rows(store_url: str, rows: list, session: ModelSession, options: En
     chunk as they were split; the caller holds the store's lock. A row whose block the loaded
     template does not reproduce (its content hash differs) is skipped and counted as bad."""
     from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store.identity import sharer_input
     from cachegraft_cli.store.oserrors import writing
 
     identity = CacheStore.check_exists(store_url)["identity"]
     codec = options.codec or identity["codec"]
-    options = options.with_keep(identity.get("keep"))  # re-encoded rows are pruned as the store's others
-    store = session.open_or_create_store(store_url, codec, options.also_own_cache, identity.get("keep"))
+    mismatched = sharer_input(identity) == "mismatched"
+    notes = int((identity.get("notes") or {}).get("tokens", 0))
+    # re-encoded rows are pruned as the store's others, fused with the donors and notes their rows record
+    options = replace(options.with_keep(identity.get("keep")), mismatched_sharer=mismatched, sharer_notes=notes)
+    store = session.open_or_create_store(store_url, codec, options.also_own_cache, identity.get("keep"),
+                                         sharer_input=donor_identity(mismatched), notes=notes_identity(notes))
     summary = EncodeSummary(store=store_url)
     chunks = []
     for row in rows:
         chunk = _chunk_of_row(row, session.template)
-        if chunk.content_hash != row.content_hash or row.id in store:
+        why = None
+        if row.id in store:
+            why = "stored again already"
+        elif chunk.content_hash != row.content_hash:
+            why = "template differs"
+        elif mismatched:
+            why = _set_recorded_donor(chunk, row, rows, store, session.template)
+        if why:
             summary.skipped_bad += 1
-            summary.skipped_reasons[row.id] = "stored again already" if row.id in store else "template differs"
+            summary.skipped_reasons[row.id] = why
             continue
         chunks.append(chunk)
     summary.passages_read = len(rows)
@@ -109,12 +140,30 @@ def reencode_rows(store_url: str, rows: list, session: ModelSession, options: En
     return summary
 
 
+def _set_recorded_donor(chunk: Chunk, row, rows: list, store, template) -> str | None:
+    """Give a re-encoded row of a mismatched-sharer store the donor its row records (read from
+    the store, or from the other rows being re-encoded); the reason to skip it when there is none."""
+    from cachegraft_cli.encoding.donors import donor_tokens
+
+    donor_id = (row.metadata or {}).get("sharer_donor")
+    found = [r for r in rows if r.id == donor_id] or (store.get_rows([donor_id]) if donor_id in store else [])
+    if not found:
+        return f"its recorded sharer donor {donor_id!r} is not in the store"
+    donor = found[0]
+    chunk.donor = (donor.id, donor_tokens(template.passage_ids(donor.title, donor.read_text), len(chunk.ids)))
+    return None
+
+
 def _chunk_of_row(row, template) -> Chunk:
+    """A stored row as the chunk it was encoded from (its notes, if any, taken as they were written)."""
+    from cachegraft_cli.store.rows import NOTES_KEY
+
     meta = dict(row.metadata or {})
     span = tuple(meta.pop("char_span")) if "char_span" in meta else None
+    notes = meta.pop(NOTES_KEY, None)
     passage = Passage(row.parent_id or row.id, row.title, row.text, meta)
-    return Chunk(passage, row.text, template.passage_ids(row.title, row.text),
-                 template.passage_block(row.title, row.text), row.chunk_index, span)
+    return Chunk(passage, row.text, template.passage_ids(row.title, row.read_text),
+                 template.passage_block(row.title, row.text), row.chunk_index, span, notes=notes)
 
 
 def _write(chunks: Iterable[Chunk], store, session: ModelSession, options: EncodeOptions, summary, progress,

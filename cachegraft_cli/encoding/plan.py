@@ -29,6 +29,8 @@ class EncodeOptions:
     keep: float | None = None  # share of each passage's tokens stored; None: the store's, 1 (all) for a new store
     keep_by: str | None = None  # how they are chosen (`encoding.keep`); None: the store's, else the default
     compressor: str | None = None  # `store.layout.COMPRESSORS`; None: the store's, zstd for a new store
+    mismatched_sharer: bool | None = None  # the sharer reads a donor passage (`encoding.donors`); None: the store's
+    sharer_notes: int | None = None  # tokens of sharer notes per passage (`encoding.notes`); None: the store's, 0: none
 
     def __post_init__(self):
         from cachegraft_cli.encoding.keep import KEEP_METHODS
@@ -48,6 +50,13 @@ class EncodeOptions:
                              "Pass e.g. --keep 0.5 (half of each passage's tokens), or 1 to store every token.")
         if self.compressor is not None:
             one_of("compressor", self.compressor, tuple(COMPRESSORS))
+        if self.mismatched_sharer is not None:
+            flag("mismatched_sharer (--mismatched-sharer)", self.mismatched_sharer)
+        if self.sharer_notes is not None:
+            whole("sharer_notes (--sharer-notes)", self.sharer_notes, 0, 1024)
+        if self.mismatched_sharer and self.sharer_notes:
+            raise UsageError("--mismatched-sharer and --sharer-notes do not go together (a donor is matched to a "
+                             "passage's length before notes are written).", "Encode the two controls apart.")
         if self.keep_by is not None and self.keep_by not in KEEP_METHODS:
             raise UsageError(f"unknown keep method {self.keep_by!r}.", f"Use one of: {', '.join(KEEP_METHODS)}.")
 
@@ -108,6 +117,8 @@ class Chunk:
     block: str
     index: int | None = None
     span: tuple[int, int] | None = None
+    donor: tuple[str, list[int]] | None = None  # mismatched-sharer control: (donor id, the ids the sharer reads)
+    notes: str | None = None  # the sharer's notes (`encoding.notes`); `ids` then cover the text and the notes
 
     @cached_property
     def content_hash(self) -> str:
@@ -128,6 +139,12 @@ class Chunk:
         meta = dict(p.metadata)
         if self.span is not None:
             meta["char_span"] = list(self.span)
+        if self.donor is not None:
+            meta["sharer_donor"] = self.donor[0]
+        if self.notes is not None:
+            from cachegraft_cli.store.rows import NOTES_KEY
+
+            meta[NOTES_KEY] = self.notes
         return PassageRow(
             id=self.id,
             title=p.title,
@@ -271,6 +288,16 @@ def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
         )
 
 
+def with_donors(chunks: list[Chunk]) -> list[Chunk]:
+    """`chunks` with their donors set (`encoding.donors`), for a mismatched-sharer encode."""
+    from cachegraft_cli.encoding.donors import donor_tokens, pick_donors
+
+    picked = pick_donors([c.id for c in chunks], [c.passage.title for c in chunks], [len(c.ids) for c in chunks])
+    for chunk, d in zip(chunks, picked):
+        chunk.donor = (chunks[d].id, donor_tokens(chunks[d].ids, len(chunk.ids)))
+    return chunks
+
+
 def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[list[Chunk]]:
     """The planned chunks cut into commit windows: one segment each, whatever runner writes them.
     Streamed: only one window is held at a time."""
@@ -310,7 +337,12 @@ def _encode_batch(batch: list[Chunk], writer, session: ModelSession, options: En
 
     ratio = 1.0 if options.keep is None else options.keep
     attention = ratio < 1 and options.keep_by == "attention"  # runners resolve keep_by (`with_keep`)
-    for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch], attention=attention)):
+    if options.sharer_notes:
+        from cachegraft_cli.encoding.notes import add_notes
+
+        add_notes(batch, session, options.sharer_notes)
+    donors = [c.donor[1] for c in batch] if options.mismatched_sharer else None  # type: ignore[index]
+    for chunk, kv in zip(batch, session.fusion().fuse([c.ids for c in batch], attention=attention, donors=donors)):
         caches = {"fused": kvcache.token_major(kv.fused)}  # on the fusing device: the writer quantises there
         if "own" in writer.store.kinds:
             caches["own"] = kvcache.token_major(kv.own)

@@ -41,9 +41,15 @@ def encode_into(
 
     options = options or EncodeOptions()
     target = Target.open(store_url)  # a file, a foreign directory, a lost manifest: first, and only once
-    target.check(options.codec, options.kinds, compressor=options.compressor)
+    target.check(options.codec, options.kinds, compressor=options.compressor, mismatched=options.mismatched_sharer,
+                 notes=options.sharer_notes)
     choice = choice_for_encode(target.store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code or None, instruction=instruction).check()
+    if ray is not None and (options.mismatched_sharer or target.mismatched or options.sharer_notes or target.notes):
+        from cachegraft_cli.errors import UsageError
+
+        raise UsageError("The mismatched-sharer control and sharer notes are encoded by the local runner only.",
+                         "Leave out --runner ray.")
     if ray is None:
         return encode_corpus(passages, target, ModelSession(choice), options, progress, planned=planned)
     from cachegraft_cli.encoding.ray.driver import encode_on_ray

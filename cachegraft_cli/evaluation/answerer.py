@@ -3,7 +3,8 @@
 Each benchmark's corpus is encoded once into a store per fuser under
 `stores_dir` (later runs reuse it: encode skips what is stored), indexed with
 BM25, and answered with `Asker`. `graft` reads the main fuser's store,
-`adapter` the adapter fuser's; `cache`, `text`, `closed` and `sharer-text`
+`adapter` the adapter fuser's, `mismatched` the main fuser's control store
+(`encode --mismatched-sharer`); `cache`, `text`, `closed` and `sharer-text`
 use the main store (its own-cache kind, its passages, its models).
 """
 
@@ -55,11 +56,12 @@ class AnswererConfig:
             d.pop("keep"), d.pop("keep_by")  # every token: the key runs made before pruning existed
         return d
 
-    def store_settings(self, overrides: dict | None = None) -> tuple[str, float, str]:
-        """(codec, keep, keep_by) of the store a system label answers from."""
+    def store_settings(self, overrides: dict | None = None) -> tuple[str, float, str, int]:
+        """(codec, keep, keep_by, notes) of the store a system label answers from."""
         o = overrides or {}
         keep = float(o.get("keep", self.keep))
-        return o.get("codec", self.codec), keep, o.get("keep_by", self.keep_by) if keep < 1 else DEFAULT_KEEP_BY
+        keep_by = o.get("keep_by", self.keep_by) if keep < 1 else DEFAULT_KEEP_BY
+        return o.get("codec", self.codec), keep, keep_by, int(o.get("notes", 0))
 
 
 class ReusedFusion:
@@ -74,10 +76,10 @@ class ReusedFusion:
     def __getattr__(self, name):
         return getattr(self.fusion, name)
 
-    def fuse(self, passages: list[list[int]], attention: bool = False) -> list:
-        key = tuple(tuple(p) for p in passages)
+    def fuse(self, passages: list[list[int]], attention: bool = False, donors: list[list[int]] | None = None) -> list:
+        key = (tuple(tuple(p) for p in passages), tuple(tuple(d) for d in donors) if donors is not None else None)
         if key not in self.kept:
-            self.kept[key] = self.fusion.fuse(passages, attention=True)
+            self.kept[key] = self.fusion.fuse(passages, attention=True, donors=donors)
         return self.kept[key]
 
 
@@ -101,11 +103,16 @@ class StoreAnswerer:
             return self.config.adapter_fuser
         return self.config.fuser
 
-    def _store_url(self, bench: str, fuser: str | None, settings: tuple | None = None) -> str:
-        codec, keep, keep_by = settings or self.config.store_settings()
+    def _store_url(self, bench: str, fuser: str | None, settings: tuple | None = None,
+                   mismatched: bool = False) -> str:
+        codec, keep, keep_by, notes = settings or self.config.store_settings()
         parts: list = [self.config.receiver, self.config.sharer, fuser, codec]
         if keep < 1:  # a pruned store has its own key; an unpruned one keeps the key it always had
             parts += [keep, keep_by]
+        if notes:  # the sharer's notes (`encoding.notes`)
+            parts.append({"notes": notes})
+        if mismatched:  # the mismatched-sharer control (`encoding.donors`)
+            parts.append("mismatched")
         key = json.dumps(parts, sort_keys=True)
         return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
@@ -131,16 +138,22 @@ class StoreAnswerer:
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
-        for fuser in self._fusers():
+        for fuser, mismatched in self._roles():
             if len(self.stores_needed) > 1:  # stores of one corpus differ after fusion only: fuse it once
                 session = self._session(fuser)
-                session.__dict__["_fusion"] = ReusedFusion(session.fusion())
+                if not isinstance(session.fusion(), ReusedFusion):
+                    session.__dict__["_fusion"] = ReusedFusion(session.fusion())
             for settings in self.stores_needed:
-                url = self._store_url(benchmark_name, fuser, settings)
-                codec, keep, keep_by = settings
+                url = self._store_url(benchmark_name, fuser, settings, mismatched)
+                codec, keep, keep_by, notes = settings
+                if mismatched and notes:
+                    continue  # the control is made for the stores without notes
                 options = EncodeOptions(codec, self.config.encode_batch_size, also_own_cache=own, keep=keep,
-                                        keep_by=keep_by if keep < 1 else None)
-                with EncodeProgress(len(rows), f"encode {benchmark_name} ({codec}, keep {keep:g})") as bar:
+                                        keep_by=keep_by if keep < 1 else None, mismatched_sharer=mismatched,
+                                        sharer_notes=notes)
+                role = ", mismatched sharer" if mismatched else (", adapter" if fuser != self.config.fuser else "")
+                what = f"{codec}, keep {keep:g}{role}" + (f", notes {notes}" if notes else "")
+                with EncodeProgress(len(rows), f"encode {benchmark_name} ({what})") as bar:
                     encode_corpus(rows, url, self._session(fuser), options, progress=bar)
                 build_store_index(url, self.config.index_kind)
         if "sharer-text" not in self.systems:
@@ -155,20 +168,26 @@ class StoreAnswerer:
             session.__dict__.pop("_fusion", None)
         gc.collect()
 
-    def _fusers(self) -> list[str | None]:
-        fusers = [self.config.fuser]
+    def _roles(self) -> list[tuple[str | None, bool]]:
+        """The stores a benchmark needs, as (fuser, mismatched sharer): the main one always, the
+        adapter's and the mismatched-sharer control's when their systems are asked for."""
+        roles = [(self.config.fuser, False)]
         if "adapter" in self.systems:
-            fusers.append(self._fuser_for("adapter"))
-        return fusers
+            roles.append((self._fuser_for("adapter"), False))
+        if "mismatched" in self.systems:
+            roles.append((self.config.fuser, True))
+        return roles
 
     def _asker(self, bench: str, system: str, store: dict | None = None):
         from cachegraft_cli.answering.ask import Asker
 
         fuser = self._fuser_for(system)
         settings = self.config.store_settings(store)
-        key = (bench, fuser or "closed", settings)
+        mismatched = system == "mismatched"
+        key = (bench, fuser or "closed", settings, mismatched)
         if key not in self._askers:
-            self._askers[key] = Asker(self._store_url(bench, fuser, settings), session=self._session(fuser))
+            self._askers[key] = Asker(self._store_url(bench, fuser, settings, mismatched),
+                                      session=self._session(fuser))
         return self._askers[key]
 
     def options(self, label: str, k: int):

@@ -15,7 +15,7 @@ from cachegraft_cli.evaluation.metrics import mean
 from cachegraft_cli.evaluation.stats import ALPHA, bootstrap_ci, cohen_kappa, holm, paired_comparison, rank_auc
 from cachegraft_cli.evaluation.variants import BEST_TEXT, base_system
 
-COMPARISON_PAIRS = (("graft", "text"), ("graft", "cache"), ("graft", "adapter"))
+COMPARISON_PAIRS = (("graft", "text"), ("graft", "cache"), ("graft", "adapter"), ("graft", "mismatched"))
 EM_JUDGE = "em"
 
 

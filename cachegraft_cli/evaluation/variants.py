@@ -4,7 +4,8 @@ One evaluation can answer the same system under several assemblies, e.g.
 `text@order=retrieval` next to `text` (the run's order), or
 `graft@recompute=16@order=retrieval` next to the default `graft`. Store keys
 answer from another store of the same corpus: `graft@keep=0.5` (a pruned
-store), `graft@codec=int4`, `graft@keep=0.5@keep_by=even`; each such store is
+store), `graft@codec=int4`, `graft@keep=0.5@keep_by=even`, `text@notes=48` (a store
+with the sharer's notes, `encode --sharer-notes`); each such store is
 encoded once and reused. The label is what answers, scores and comparisons are
 keyed by; the base system and the overrides are what the answerer runs.
 """
@@ -18,7 +19,7 @@ from cachegraft_cli.errors import UsageError
 
 # override key -> type of its value
 ASSEMBLY_KEYS = {"order": str, "scheme": str, "recompute": int, "blend": float, "blend_layer": int}
-STORE_KEYS = {"codec": str, "keep": float, "keep_by": str}  # which store answers (encode options)
+STORE_KEYS = {"codec": str, "keep": float, "keep_by": str, "notes": int}  # which store answers (encode options)
 KEYS = {**ASSEMBLY_KEYS, **STORE_KEYS}
 BEST_TEXT = "text (best order)"  # per benchmark and k, the text variant with the best EM (then F1)
 
@@ -69,7 +70,9 @@ def check_variant(label: str) -> Variant:
 
     variant = parse_variant(label)
     replace(AssemblyOptions(), **variant.assembly).check()
-    EncodeOptions(**variant.store)  # codec, keep and keep_by checked as encode checks them
+    store = dict(variant.store)
+    notes = store.pop("notes", None)
+    EncodeOptions(**store, sharer_notes=notes)  # codec, keep, keep_by and notes checked as encode checks them
     return variant
 
 

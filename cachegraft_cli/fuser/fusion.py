@@ -57,11 +57,16 @@ class PassageFusion:
         return kvcache.unbatched(self._receiver_prefix)
 
     @torch.inference_mode()
-    def fuse(self, passages: list[list[int]], attention: bool = False) -> list[PassageKV]:
+    def fuse(self, passages: list[list[int]], attention: bool = False,
+             donors: list[list[int]] | None = None) -> list[PassageKV]:
         """Fused and own caches for each passage's token ids, one forward per model; with
         `attention`, also the attention each token receives from its passage's later tokens
-        at the receiver's last layers (`lm.attention`), from the same receiver forward."""
+        at the receiver's last layers (`lm.attention`), from the same receiver forward.
+        `donors` (one per passage, each as long as it): the token ids the sharer reads instead
+        of the passage's own (the mismatched-sharer control, `encoding.donors`)."""
         lengths = [len(p) for p in passages]
+        if donors is not None and (self.sharer is None or [len(d) for d in donors] != lengths):
+            raise ValueError("donors need a sharer-fed fuser and one donor as long as each passage")
         scores = None
         if attention:
             with QueryCapture(self.receiver.model, list(SCORED_LAYERS)) as capture:
@@ -71,7 +76,7 @@ class PassageFusion:
             own = self.passage_pass("receiver", passages)
         fused = own
         if self.sharer is not None:
-            fused = self.fuser.fuse(own, self.passage_pass("sharer", passages))
+            fused = self.fuser.fuse(own, self.passage_pass("sharer", passages if donors is None else donors))
         elif self.zero_sharer:
             zeros = self.fuser.zero_sharer_kv(len(passages), max(lengths), own[0][0].dtype, own[0][0].device)
             fused = self.fuser.fuse(own, zeros)

@@ -64,6 +64,13 @@ def check(url: str, stored: dict, expect: dict | None) -> None:
             )
 
 
+def sharer_input(identity: dict) -> str:
+    """What a store's fuser was fed as the sharer's cache: "model" (the passage's own), "zero" (an
+    adapter), "mismatched" (another passage's, `encoding.donors`), or "none" (no fuser)."""
+    fuser = identity.get("fuser")
+    return "none" if not fuser else fuser.get("sharer_input", "model")
+
+
 def keep_entry(ratio: float | None, by: str) -> dict | None:
     """The identity's `keep` for a keep ratio: None (the key absent, as in every store written
     before pruning existed) when every token is stored."""

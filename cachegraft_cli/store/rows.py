@@ -53,6 +53,20 @@ class PassageRow:
     def pruned(self) -> bool:
         return self.positions is not None
 
+    @property
+    def read_text(self) -> str:
+        """The text the stored caches were computed from, and the one `text` systems read: the
+        passage, and after it the sharer's notes where `encode --sharer-notes` wrote some."""
+        return with_notes(self.text, (self.metadata or {}).get(NOTES_KEY))
+
+
+NOTES_KEY = "sharer_notes"  # a row's metadata key for its sharer notes (`encoding.notes`)
+
+
+def with_notes(text: str, notes: str | None) -> str:
+    """A passage's text with its notes after it (unchanged without notes)."""
+    return f"{text}\n\nNotes:\n{notes}" if notes else text
+
 
 def content_hash_of(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -21,6 +21,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError
 from cachegraft_cli.store import segments
+from cachegraft_cli.store.identity import sharer_input
 from cachegraft_cli.store.layout import ROOT_META
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.lock import WriterLock, lock_store
@@ -58,12 +59,33 @@ class Target:
     def keep(self) -> dict | None:
         return self.store.keep if self.store is not None else None
 
+    @property
+    def notes(self) -> int:
+        """Tokens of sharer notes the existing store wrote per passage (0: none, `encoding.notes`)."""
+        return int(((self.store.identity.get("notes") or {}) if self.store is not None else {}).get("tokens", 0))
+
+    @property
+    def mismatched(self) -> bool:
+        """Whether the existing store is a mismatched-sharer control (`encoding.donors`)."""
+        return self.store is not None and sharer_input(self.store.identity) == "mismatched"
+
     def check(self, codec: str | None, kinds: tuple[str, ...], keep: dict | None = None,
-              compressor: str | None = None) -> None:
-        """Refuse a codec, cache kinds, keep ratio or compressor the existing store cannot take (`codec`,
-        `compressor` None: the store's own; `keep` None: every token, as the store must have been made)."""
+              compressor: str | None = None, mismatched: bool | None = None, notes: int | None = None) -> None:
+        """Refuse a codec, cache kinds, keep ratio, compressor or sharer input the existing store cannot
+        take (`codec`, `compressor`, `mismatched` None: the store's own; `keep` None: every token, as the
+        store must have been made)."""
         if self.store is None:
             return
+        if notes is not None and notes != self.notes:
+            raise StoreMismatchError(
+                f"store {self.url} was made with --sharer-notes {self.notes}, but {notes} was requested.",
+                hint="Leave --sharer-notes out to append as the store was made, or use another --store.")
+        if mismatched is not None and mismatched != self.mismatched:
+            made = "with" if self.mismatched else "without"
+            raise StoreMismatchError(
+                f"store {self.url} was made {made} --mismatched-sharer (its sharer input is "
+                f"{sharer_input(self.store.identity)!r}).",
+                hint="Leave --mismatched-sharer out to append as the store was made, or use another --store.")
         from cachegraft_cli.store.identity import check_keep
         from cachegraft_cli.store.layout import compressor_name
 

@@ -118,3 +118,25 @@ def test_evaluate_answer_batch_gives_the_one_at_a_time_answers(qa_file, tiny_dir
     saved = json.loads((tmp_path / "batched" / "config.json").read_text())
     assert saved["answerer"]["answer_batch"] == 3
     assert "answer_batch" not in json.loads((tmp_path / "one" / "config.json").read_text())["answerer"]
+
+
+def test_evaluate_mismatched_reads_its_own_control_store_and_is_compared_with_graft(qa_file, tiny_dirs, tiny_models,
+                                                                                    tmp_path, monkeypatch, capsys):
+    from cachegraft_cli.store import CacheStore
+
+    fuser = _fuser_dir(tiny_models, tmp_path / "open")
+    out, stores = tmp_path / "run", tmp_path / "stores"
+    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", out, "--stores", stores,
+            "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"], "--fuser", fuser,
+            "--systems", "graft,mismatched", "--k", "1", "--max-new-tokens", "3",
+            "--dtype", "float32", "--codec", "float32", "--json"]
+    monkeypatch.setattr(sys, "argv", list(map(str, args)))
+    with pytest.raises(SystemExit) as info:
+        main()
+    summary = json.loads(capsys.readouterr().out)
+    assert (info.value.code or 0) == 0
+    inputs = sorted(CacheStore.open(str(p)).identity["fuser"].get("sharer_input", "model") for p in stores.iterdir())
+    assert inputs == ["mismatched", "model"]  # one store each, the control's recorded as such
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert sorted({a["system"] for a in answers}) == ["graft", "mismatched"] and len(answers) == 8
+    assert [c for c in summary["comparisons"] if (c["a"], c["b"]) == ("graft", "mismatched")]

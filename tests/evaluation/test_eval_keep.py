@@ -15,10 +15,13 @@ def _config(**kw):
 def test_store_variants_parse_and_name_their_stores():
     v = parse_variant("graft@keep=0.5@codec=int4@recompute=16")
     assert v.store == {"keep": 0.5, "codec": "int4"} and v.assembly == {"recompute": 16}
-    answerer = StoreAnswerer(_config(), ["graft", "graft@keep=0.5", "graft@codec=int4@keep=0.5", "text"])
-    assert answerer.stores_needed == [("bf16", 1.0, "even"), ("bf16", 0.5, "even"), ("int4", 0.5, "even")]
+    answerer = StoreAnswerer(_config(), ["graft", "graft@keep=0.5", "graft@codec=int4@keep=0.5", "text",
+                                         "text@notes=48"])
+    assert answerer.stores_needed == [("bf16", 1.0, "even", 0), ("bf16", 0.5, "even", 0), ("int4", 0.5, "even", 0),
+                                      ("bf16", 1.0, "even", 48)]
     urls = {answerer._store_url("squad", "f", s) for s in answerer.stores_needed}
-    assert len(urls) == 3 and answerer._store_url("squad", "f") in urls
+    urls.add(answerer._store_url("squad", "f", mismatched=True))
+    assert len(urls) == 5 and answerer._store_url("squad", "f") in urls
     assert answerer.options("graft@keep=0.5@order=retrieval", 5).order == "retrieval"
 
 
@@ -47,11 +50,12 @@ def test_reused_fusion_fuses_each_batch_once():
     class Fusion:
         prefix_ids = [1, 2]
 
-        def fuse(self, passages, attention=False):
+        def fuse(self, passages, attention=False, donors=None):
             calls.append(attention)
             return [object() for _ in passages]
 
     reused = ReusedFusion(Fusion())
     first = reused.fuse([[1, 2], [3]])
     assert reused.fuse([[1, 2], [3]], attention=True) is first and reused.fuse([[4]]) is not first
-    assert calls == [True, True] and reused.prefix_ids == [1, 2]
+    assert reused.fuse([[1, 2], [3]], donors=[[3, 4], [1]]) is not first  # another sharer input, fused again
+    assert calls == [True, True, True] and reused.prefix_ids == [1, 2]

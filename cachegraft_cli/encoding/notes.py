@@ -1,0 +1,41 @@
+"""The sharer's notes (`encode --sharer-notes N`): at encode time the sharer reads each passage
+and writes up to N tokens of notes about it; the notes become part of the stored passage.
+
+- The request is asked through the same prompt template as a question (the passage, then
+  `NOTES_REQUEST` in the question's place), greedy, so the same passage gets the same notes.
+- The fused cache covers the passage and its notes: the receiver reads both, the sharer reads
+  both (its KV over the notes is its own KV over text it wrote), and the fuser fuses them.
+- The row keeps the passage's own text (the index, the content hash and re-runs see only
+  that) and the notes in `metadata["sharer_notes"]`; `PassageRow.read_text` puts them
+  together for the caches and for the `text` system, so `text` and `cache` over a notes store
+  are the controls "the notes as plain text" and "the notes' receiver-own cache".
+"""
+
+from __future__ import annotations
+
+NOTES_REQUEST = "List the key facts of this passage as short question-answer pairs, one per line."
+
+
+def notes_identity(tokens: int | None) -> dict | None:
+    """The store identity's `notes` (None, the key absent, without notes)."""
+    return {"tokens": int(tokens), "request": NOTES_REQUEST} if tokens else None
+
+
+def add_notes(chunks: list, session, max_tokens: int) -> None:
+    """Give every chunk without notes the sharer's notes, and its token ids with them."""
+    from cachegraft_cli.lm.generation import Prompt, generate_batch
+    from cachegraft_cli.lm.sampling import GenerationConfig
+    from cachegraft_cli.lm.template import PromptTemplate
+    from cachegraft_cli.store.rows import with_notes
+
+    todo = [c for c in chunks if c.notes is None]
+    if not todo:
+        return
+    sharer = session.sharer
+    asking = PromptTemplate.for_tokenizer(sharer.tokenizer, session.choice.instruction)
+    request = asking.question_ids(NOTES_REQUEST)
+    prompts = [Prompt.plain(None, asking.prefix_ids() + asking.passage_ids(c.passage.title, c.text) + request, 0)
+               for c in todo]
+    for chunk, gen in zip(todo, generate_batch(sharer, prompts, GenerationConfig(max_tokens))):
+        chunk.notes = "\n".join(line.strip() for line in gen.text.splitlines() if line.strip())
+        chunk.ids = session.template.passage_ids(chunk.passage.title, with_notes(chunk.text, chunk.notes))
