@@ -1,12 +1,16 @@
 """What the sharer adds, from an `evaluate` run's answers: every system's EM / F1 per set and k,
-then graft minus each control (`mismatched`: the pairing gain; `adapter`), paired per question,
+then graft minus each control (`mismatched`: the pairing gain; `adapter`; or any `--pairs A:B`,
+e.g. `graft@notes=48:text@notes=48` for the sharer's notes), paired per question,
 with a bootstrap 95% interval, an exact McNemar (EM) or sign (F1) test and Holm's correction over
 the run's (set, k) cells, and the count of cells where graft also stays at or above text.
 With `sharer-text` answers in the run, the *hard subset* too: the questions that the receiver
 reading the text gets wrong (EM 0) and the sharer reading the same text gets right (EM 1), pooled
 over the sets per k, with every system's score on them.
 
-    python benchmarks/pairing_gain.py RUN_DIR [--controls mismatched,adapter] [--seed 0]
+    python benchmarks/pairing_gain.py RUN_DIR [RUN_DIR ...] [--pairs graft:mismatched,graft:adapter] [--seed 0]
+
+Several runs of the same settings (one with the controls, one with `sharer-text`, say) are read
+as one: a (set, k, system, question) answered in two of them is taken from the last.
 
 Prints markdown tables, then one JSON line.
 """
@@ -26,12 +30,13 @@ from cachegraft_cli.evaluation.stats import holm, paired_comparison
 ALPHA = 0.05
 
 
-def load(run: Path) -> dict[tuple, dict[str, dict]]:
-    """(benchmark, k, system) -> question id -> record."""
+def load(runs: list[Path]) -> dict[tuple, dict[str, dict]]:
+    """(benchmark, k, system) -> question id -> record, over every run."""
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for line in (run / "answers.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        by[(r["benchmark"], r["k"], r["system"])][r["id"]] = r
+    for run in runs:
+        for line in (run / "answers.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            by[(r["benchmark"], r["k"], r["system"])][r["id"]] = r
     return by
 
 
@@ -41,7 +46,7 @@ def pct(rows: dict[str, dict], metric: str, ids=None) -> float:
 
 
 def compare(by, cells, a: str, b: str, seed: int) -> list[dict]:
-    """a minus b per cell, EM and F1, Holm over the cells for each metric."""
+    """a minus b per cell, EM and F1, Holm over the cells both answered, for each metric."""
     out = []
     for bench, k in cells:
         ra, rb = by.get((bench, k, a)), by.get((bench, k, b))
@@ -84,11 +89,11 @@ def hard_subset(by, benches, ks, systems) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("run", type=Path)
-    ap.add_argument("--controls", default="mismatched,adapter")
+    ap.add_argument("runs", type=Path, nargs="+")
+    ap.add_argument("--pairs", default="graft:mismatched,graft:adapter", help="A:B,... compared as A minus B")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    by = load(args.run)
+    by = load(args.runs)
     benches = list(dict.fromkeys(b for b, _, _ in by))
     ks = sorted({k for _, k, _ in by})
     systems = list(dict.fromkeys(s for _, _, s in sorted(by, key=lambda key: key[2])))
@@ -99,11 +104,13 @@ def main() -> None:
         shown = [f"{pct(by[(bench, k, s)], 'em'):.0f} / {pct(by[(bench, k, s)], 'f1'):.1f}"
                  if (bench, k, s) in by else "-" for s in systems]
         print(f"| {bench} | {k} | " + " | ".join(shown) + " |")
-    report: dict = {"benchmark": "pairing_gain", "run": str(args.run), "comparisons": {}}
-    for control in [c for c in args.controls.split(",") if c in systems]:
-        rows = compare(by, cells, "graft", control, args.seed)
-        report["comparisons"][control] = rows
-        print(f"\ngraft - {control} (points; paired, bootstrap 95% interval; p after Holm over {len(rows)} cells)\n")
+    report: dict = {"benchmark": "pairing_gain", "runs": [str(r) for r in args.runs], "comparisons": {}}
+    for a, b in (pair.split(":") for pair in args.pairs.split(",")):
+        if a not in systems or b not in systems:
+            continue
+        rows = compare(by, cells, a, b, args.seed)
+        report["comparisons"][f"{a} - {b}"] = rows
+        print(f"\n{a} - {b} (points; paired, bootstrap 95% interval; p after Holm over {len(rows)} cells)\n")
         print("| set | k | n | EM diff [95% CI] | p (Holm) | F1 diff [95% CI] | p (Holm) |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
@@ -112,7 +119,7 @@ def main() -> None:
                   f"{em['ci_high']:+.1f}] | {em['p_holm']:.3f} | {f1['mean_diff']:+.1f} [{f1['ci_low']:+.1f}, "
                   f"{f1['ci_high']:+.1f}] | {f1['p_holm']:.3f} |")
         sig = {m: sum(r[m]["significant_holm"] for r in rows) for m in ("em", "f1")}
-        print(f"\ngraft above {control} after Holm: EM in {sig['em']}, F1 in {sig['f1']} of {len(rows)} cells")
+        print(f"\n{a} above {b} after Holm: EM in {sig['em']}, F1 in {sig['f1']} of {len(rows)} cells")
     if "text" in systems:
         above = [(b, k) for b, k in cells if (b, k, "graft") in by and (b, k, "text") in by
                  and pct(by[(b, k, "graft")], "em") >= pct(by[(b, k, "text")], "em")
