@@ -36,12 +36,17 @@ def donor_order(ids: Sequence[str], lengths: Sequence[int]) -> list[int]:
     return sorted(range(len(ids)), key=lambda i: (lengths[i], hashlib.sha256(ids[i].encode()).hexdigest()))
 
 
+def check_count(n: int) -> None:
+    """A run of fewer than two new passages has no donor to give (0: nothing to encode)."""
+    if n == 1:
+        raise UsageError("The mismatched-sharer control needs at least two passages in one encode run "
+                         "(it has 1): each passage's sharer input comes from another one.",
+                         "Encode the whole corpus in one run, or append at least two passages at a time.")
+
+
 def pick_donors(ids: Sequence[str], titles: Sequence[str], lengths: Sequence[int]) -> list[int]:
     """For each passage, the index of its donor (never itself)."""
-    if len(ids) < 2:
-        raise UsageError("The mismatched-sharer control needs at least two passages in one encode run "
-                         f"(it has {len(ids)}): each passage's sharer input comes from another one.",
-                         "Encode the whole corpus in one run, or append at least two passages at a time.")
+    check_count(len(ids))
     order = donor_order(ids, lengths)
     donors = [0] * len(ids)
     for place, i in enumerate(order):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from cachegraft_cli.corpus import Passage
-from cachegraft_cli.encoding.donors import donor_identity
+from cachegraft_cli.encoding.donors import check_count, donor_identity
 from cachegraft_cli.encoding.notes import notes_identity
 from cachegraft_cli.encoding.plan import (
     Chunk,
@@ -83,6 +83,8 @@ def encode_corpus(
         count = sum(1 for _ in new_chunks(source, known, session.template, options, summary))
         if planned:
             planned(count)
+        if mismatched:
+            check_count(count)  # before any model loads
         if count or stored is None or not session.names_match(stored):  # other models named: load them to check
             if stored is not None:
                 session.check_template(stored)

@@ -52,9 +52,6 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: bool = False
 
-    def same_batch(self, other: Job) -> bool:
-        return (self.kind, self.store, self.options) == (other.kind, other.store, other.options)
-
 
 @dataclass(frozen=True)
 class EngineSettings:

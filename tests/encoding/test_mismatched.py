@@ -60,6 +60,7 @@ def test_donors_are_other_passages_nearest_in_length_with_another_title():
     assert pick_donors(["a", "b"], ["X", "X"], [3, 3]) == [1, 0]  # one title only: the nearest one at all
     with pytest.raises(UsageError, match="at least two passages"):
         pick_donors(["a"], ["X"], [3])
+    assert pick_donors([], [], []) == []
 
 
 def test_donor_tokens_are_cut_or_repeated_to_the_passage_length():
@@ -115,6 +116,10 @@ def test_appends_keep_the_control_and_a_contrary_flag_is_refused(tiny_dirs, fuse
     assert {r.metadata["sharer_donor"] for r in rows} == {"q1", "q2"}  # donors among the appended passages
     with pytest.raises(StoreMismatchError, match="mismatched-sharer"):
         encode_corpus([Passage("q3", "T", "Text.")], url, session, EncodeOptions(mismatched_sharer=False))
+    fresh = _session(tiny_dirs, fuser_dir)
+    with pytest.raises(UsageError, match="at least two passages"):  # one new passage: no donor, no model loaded
+        encode_corpus([Passage("q3", "T", "Text.")], url, fresh, EncodeOptions())
+    assert "receiver" not in fresh.__dict__ and "sharer" not in fresh.__dict__
     plain = str(tmp_path / "plain")
     encode_corpus(PASSAGES[:2], plain, session, EncodeOptions(codec="float32"))
     with pytest.raises(StoreMismatchError, match="made without --mismatched-sharer"):
