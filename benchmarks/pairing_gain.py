@@ -66,7 +66,10 @@ def compare(by, cells, a: str, b: str, seed: int) -> list[dict]:
     return out
 
 
-def hard_subset(by, benches, ks, systems) -> list[dict]:
+def hard_subset(by, benches, ks, systems, pairs: list[tuple[str, str]], seed: int) -> list[dict]:
+    """Per k, the questions text gets wrong and sharer-text right (pooled over the sets): every
+    system's scores on them, and each pair's paired comparison there (neither system of a pair
+    chose the subset, so the comparison is fair; both regress to the mean alike)."""
     out = []
     for k in ks:
         picked = []
@@ -77,12 +80,19 @@ def hard_subset(by, benches, ks, systems) -> list[dict]:
                            and sharer[i]["em"] == 1]
         if not picked:
             continue
-        row = {"k": k, "n": len(picked), "systems": {}}
+        row: dict = {"k": k, "n": len(picked), "systems": {}, "pairs": {}}
+        answered = {}
         for system in systems:
             values = [by[(b, k, system)][i] for b, i in picked if i in by.get((b, k, system), {})]
             if len(values) == len(picked):
+                answered[system] = values
                 row["systems"][system] = {"em": round(100 * sum(v["em"] for v in values) / len(values), 1),
                                           "f1": round(100 * sum(v["f1"] for v in values) / len(values), 1)}
+        for a, b in pairs:
+            if a in answered and b in answered:
+                row["pairs"][f"{a} - {b}"] = {
+                    metric: paired_comparison([v[metric] for v in answered[a]], [v[metric] for v in answered[b]],
+                                              seed).to_dict() for metric in ("em", "f1")}
         out.append(row)
     return out
 
@@ -105,7 +115,7 @@ def main() -> None:
                  if (bench, k, s) in by else "-" for s in systems]
         print(f"| {bench} | {k} | " + " | ".join(shown) + " |")
     report: dict = {"benchmark": "pairing_gain", "runs": [str(r) for r in args.runs], "comparisons": {}}
-    for a, b in (pair.split(":") for pair in args.pairs.split(",")):
+    for a, b in (tuple(pair.split(":")) for pair in args.pairs.split(",")):
         if a not in systems or b not in systems:
             continue
         rows = compare(by, cells, a, b, args.seed)
@@ -126,7 +136,8 @@ def main() -> None:
                  and pct(by[(b, k, "graft")], "f1") >= pct(by[(b, k, "text")], "f1")]
         report["graft_at_or_above_text"] = len(above)
         print(f"graft at or above text in EM and F1: {len(above)} of {len(cells)} cells")
-    hard = hard_subset(by, benches, ks, systems)
+    pairs = [tuple(pair.split(":")) for pair in args.pairs.split(",")]
+    hard = hard_subset(by, benches, ks, systems, pairs, args.seed)
     if hard:
         report["hard_subset"] = hard
         print("\nHard subset (text EM 0, sharer-text EM 1; pooled over the sets): EM / F1\n")
@@ -136,6 +147,13 @@ def main() -> None:
             cells_ = [f"{row['systems'][s]['em']:.0f} / {row['systems'][s]['f1']:.1f}" if s in row["systems"] else "-"
                       for s in systems]
             print(f"| {row['k']} | {row['n']} | " + " | ".join(cells_) + " |")
+        for row in hard:
+            for name, result in row["pairs"].items():
+                em, f1 = result["em"], result["f1"]
+                print(f"k={row['k']}: {name} on the hard subset: EM {100 * em['mean_diff']:+.1f} "
+                      f"[{100 * em['ci_low']:+.1f}, {100 * em['ci_high']:+.1f}] (wins {em['wins']}, losses "
+                      f"{em['losses']}, p {em['p_value']:.3f}); F1 {100 * f1['mean_diff']:+.1f} "
+                      f"[{100 * f1['ci_low']:+.1f}, {100 * f1['ci_high']:+.1f}] (p {f1['p_value']:.3f})")
     print(json.dumps(report))
 
 
