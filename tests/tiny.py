@@ -127,3 +127,19 @@ def open_fuser(receiver, sharer, seed: int = 0, width: int = 32, **spec):
                          intermediate_dim=width, **spec)
     fuser.set_gates(1.0)  # positive logits: hard gates open
     return fuser.eval()
+
+
+def saved_open_fuser(tiny_models, path: Path, seed: int = 0, **spec) -> Path:
+    """`open_fuser` from the tiny `sharer_same` into the tiny receiver, saved in the published layout at `path`."""
+    from cachegraft_cli.fuser.checkpoint import save_published
+
+    save_published(open_fuser(tiny_models["receiver"], tiny_models["sharer_same"], seed=seed, **spec), path)
+    return path
+
+
+def fused_session(tiny_dirs, fuser_dir):
+    """A float32 CPU `ModelSession`: the tiny receiver <- `sharer_same` through the fuser at `fuser_dir`."""
+    from cachegraft_cli.session import ModelChoice, ModelSession
+
+    return ModelSession(ModelChoice(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), str(fuser_dir),
+                                    device="cpu", dtype="float32"))

@@ -109,13 +109,13 @@ def reencode_rows(store_url: str, rows: list, session: ModelSession, options: En
     chunk as they were split; the caller holds the store's lock. A row whose block the loaded
     template does not reproduce (its content hash differs) is skipped and counted as bad."""
     from cachegraft_cli.store import CacheStore
-    from cachegraft_cli.store.identity import sharer_input
+    from cachegraft_cli.store.identity import notes_tokens, sharer_input
     from cachegraft_cli.store.oserrors import writing
 
     identity = CacheStore.check_exists(store_url)["identity"]
     codec = options.codec or identity["codec"]
     mismatched = sharer_input(identity) == "mismatched"
-    notes = int((identity.get("notes") or {}).get("tokens", 0))
+    notes = notes_tokens(identity)
     # re-encoded rows are pruned as the store's others, fused with the donors and notes their rows record
     options = replace(options.with_keep(identity.get("keep")), mismatched_sharer=mismatched, sharer_notes=notes)
     store = session.open_or_create_store(store_url, codec, options.also_own_cache, identity.get("keep"),

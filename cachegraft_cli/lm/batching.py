@@ -15,57 +15,13 @@ agree with it up to float summation order, as `generate_batch`'s rows do.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from cachegraft_cli.lm import generation, kvcache
-from cachegraft_cli.lm.generation import Generation, Prompt, Stepper, Streamer, prefill_batch, stop_ids
-from cachegraft_cli.lm.sampling import GenerationConfig
-
-
-@dataclass(eq=False)
-class Row:
-    """One answer in a running batch. `started` is when its request began (for `first_token`);
-    `cancelled()` true ends it after the current token; `tag` is the caller's."""
-
-    prompt: Prompt
-    config: GenerationConfig
-    on_text: Callable[[str], None] | None = None
-    cancelled: Callable[[], bool] | None = None
-    started: float | None = None
-    tag: Any = None
-    out: list[int] = field(default_factory=list)
-    done: bool = False
-    timings: dict = field(default_factory=dict)
-
-    def begin(self, lm, t_call: float, t_prefill: float) -> None:
-        self.t0 = self.started if self.started is not None else t_call
-        self.timings["prefill"] = t_prefill - t_call
-        self.stops, self.streamer = stop_ids(lm), Streamer(lm.tokenizer, self.on_text)
-        seed = self.config.seed
-        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.t_first: float | None = None
-        self.done = self.config.max_new_tokens <= 0
-
-    def take(self, logits: torch.Tensor) -> None:
-        """Pick the next token from `logits`, as `generate`'s loop does."""
-        token = generation.pick_token(logits, self.config, self.rng)  # looked up here: tests wrap it
-        self.t_first = self.t_first or time.perf_counter()
-        if token in self.stops:
-            self.done = True
-            return
-        self.out.append(token)
-        self.streamer.push(self.out)
-        stopped = self.cancelled is not None and self.cancelled()
-        self.done = len(self.out) >= self.config.max_new_tokens or stopped
-
-    def generation(self, tokenizer) -> Generation:
-        t_end = time.perf_counter()
-        text = tokenizer.decode(self.out, skip_special_tokens=True).strip()
-        timings = {**self.timings, "first_token": (self.t_first or t_end) - self.t0, "total": t_end - self.t0}
-        return Generation(list(self.out), text, self.prompt.question_tokens, timings)
+from cachegraft_cli.lm import kvcache
+from cachegraft_cli.lm.generation import Prompt, Row, Stepper, prefill_batch
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -84,6 +84,51 @@ def _find_stop_ids(lm) -> set[int]:
     return ids
 
 
+@dataclass(eq=False)
+class Row:
+    """One answer being decoded (by `generate`, or in `batching.RunningBatch`). `started` is when
+    its request began (for `first_token`); `cancelled()` true ends it after the current token;
+    `tag` is the caller's."""
+
+    prompt: Prompt
+    config: GenerationConfig
+    on_text: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+    started: float | None = None
+    tag: Any = None
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+    timings: dict = field(default_factory=dict)
+
+    def begin(self, lm, t_call: float, t_prefill: float) -> None:
+        self.t0 = self.started if self.started is not None else t_call
+        self.timings["prefill"] = t_prefill - t_call
+        self.stops, self.streamer = stop_ids(lm), _Streamer(lm.tokenizer, self.on_text)
+        seed = self.config.seed
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.t_first: float | None = None
+        self.done = self.config.max_new_tokens <= 0
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Pick the next token from `logits`: a stop token ends the row; any other is kept and
+        streamed, and the token limit or `cancelled()` then ends it."""
+        token = pick_token(logits, self.config, self.rng)
+        self.t_first = self.t_first or time.perf_counter()
+        if token in self.stops:
+            self.done = True
+            return
+        self.out.append(token)
+        self.streamer.push(self.out)
+        stopped = self.cancelled is not None and self.cancelled()
+        self.done = len(self.out) >= self.config.max_new_tokens or stopped
+
+    def generation(self, tokenizer) -> Generation:
+        t_end = time.perf_counter()
+        text = tokenizer.decode(self.out, skip_special_tokens=True).strip()
+        timings = {**self.timings, "first_token": (self.t_first or t_end) - self.t0, "total": t_end - self.t0}
+        return Generation(list(self.out), text, self.prompt.question_tokens, timings)
+
+
 @torch.inference_mode()
 def generate(
     lm,
@@ -101,27 +146,15 @@ def generate(
     """
     config = config or GenerationConfig()
     t_call = time.perf_counter()
-    t0 = started if started is not None else t_call
     step = Stepper(lm, prompt)
     logits = step.first()
-    t_prefill = time.perf_counter()
-    out, stops, streamer = [], stop_ids(lm), Streamer(lm.tokenizer, on_text)
-    rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-    t_first = None
-    for _ in range(config.max_new_tokens):
-        token = pick_token(logits, config, rng)
-        t_first = t_first or time.perf_counter()
-        if token in stops:
-            break
-        out.append(token)
-        streamer.push(out)
-        if len(out) == config.max_new_tokens or (cancelled is not None and cancelled()):
-            break  # no forward pass for a token that would never be read
-        logits = step([token])
-    t_end = time.perf_counter()
-    text = lm.tokenizer.decode(out, skip_special_tokens=True).strip()
-    timings = {"prefill": t_prefill - t_call, "first_token": (t_first or t_end) - t0, "total": t_end - t0}
-    return Generation(out, text, prompt.question_tokens, timings)
+    row = Row(prompt, config, on_text, cancelled, started)
+    row.begin(lm, t_call, time.perf_counter())
+    while not row.done:
+        row.take(logits)
+        if not row.done:  # no forward pass for a token that would never be read
+            logits = step([row.out[-1]])
+    return row.generation(lm.tokenizer)
 
 
 @torch.inference_mode()
@@ -208,7 +241,7 @@ class RowStreams:
     stopped: Callable[[int], bool] = lambda i: False
 
 
-class Streamer:
+class _Streamer:
     """Emits the newly decoded text after each token (whole characters only)."""
 
     def __init__(self, tokenizer, on_text):
@@ -249,13 +282,13 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
 def prefill_batch(lm, prompts: list[Prompt]):
     """The first forward of several prompts together: (stepper, last logits `(batch, vocab)`,
     next positions `(batch,)`). Rows are left-padded (see `generate_batch`)."""
-    past, past_mask = pad_pasts([p.past for p in prompts])
-    ids, positions, qmask = pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
+    past, past_mask = _pad_pasts([p.past for p in prompts])
+    ids, positions, qmask = _pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
     for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
         past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
-    step = BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
+    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
     if any(p.visible is not None for p in prompts):
-        logits = step.first(ids, positions, qmask, batch_visibility(prompts, past_mask, qmask))
+        logits = step.first(ids, positions, qmask, _batch_visibility(prompts, past_mask, qmask))
     else:
         logits = step(ids, positions, qmask)
     return step, logits, positions[:, -1] + 1
@@ -267,7 +300,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
     rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
     done = [False] * len(rows)
     rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-    streamers = [Streamer(lm.tokenizer, on_text) for on_text in streams.on_text] if streams else []
+    streamers = [_Streamer(lm.tokenizer, on_text) for on_text in streams.on_text] if streams else []
     for n in range(config.max_new_tokens):
         tokens = [pick_token(row_logits, config, rng) for row_logits in logits]
         for i, t in enumerate(tokens):
@@ -284,7 +317,7 @@ def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
     return rows
 
 
-def pad_pasts(pasts: list[PlainKV | None]):
+def _pad_pasts(pasts: list[PlainKV | None]):
     lengths = [kvcache.num_tokens(p) if p else 0 for p in pasts]
     width = max(lengths)
     if width == 0:
@@ -304,7 +337,7 @@ def pad_pasts(pasts: list[PlainKV | None]):
     return layers, mask
 
 
-def pad_inputs(prompts: list[Prompt], pad: int):
+def _pad_inputs(prompts: list[Prompt], pad: int):
     width = max(len(p.ids) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p.ids)) + list(p.ids) for p in prompts])
     positions = torch.tensor([[p.positions[0]] * (width - len(p.ids)) + list(p.positions) for p in prompts])
@@ -312,7 +345,7 @@ def pad_inputs(prompts: list[Prompt], pad: int):
     return ids, positions, mask
 
 
-def batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
+def _batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torch.Tensor) -> torch.Tensor:
     """(batch, 1, inputs, past + inputs): each row's own visibility moved to its padded place.
     Rows without one see what a plain causal prompt sees; pad queries see only themselves."""
     batch, width = qmask.shape
@@ -331,7 +364,7 @@ def batch_visibility(prompts: list[Prompt], past_mask: torch.Tensor, qmask: torc
     return out
 
 
-class BatchStepper:
+class _BatchStepper:
     """Feeds a batch of tokens at explicit positions with a growing 2D mask."""
 
     def __init__(self, lm, cache, mask):

@@ -71,6 +71,11 @@ def sharer_input(identity: dict) -> str:
     return "none" if not fuser else fuser.get("sharer_input", "model")
 
 
+def notes_tokens(identity: dict) -> int:
+    """Tokens of sharer notes a store wrote per passage (`encode --sharer-notes`; 0: none)."""
+    return int((identity.get("notes") or {}).get("tokens", 0))
+
+
 def keep_entry(ratio: float | None, by: str) -> dict | None:
     """The identity's `keep` for a keep ratio: None (the key absent, as in every store written
     before pruning existed) when every token is stored."""

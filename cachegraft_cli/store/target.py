@@ -21,7 +21,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, StoreMismatchError, StoreNotFoundError
 from cachegraft_cli.store import segments
-from cachegraft_cli.store.identity import sharer_input
+from cachegraft_cli.store.identity import notes_tokens, sharer_input
 from cachegraft_cli.store.layout import ROOT_META
 from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.lock import WriterLock, lock_store
@@ -62,7 +62,7 @@ class Target:
     @property
     def notes(self) -> int:
         """Tokens of sharer notes the existing store wrote per passage (0: none, `encoding.notes`)."""
-        return int(((self.store.identity.get("notes") or {}) if self.store is not None else {}).get("tokens", 0))
+        return notes_tokens(self.store.identity) if self.store is not None else 0
 
     @property
     def mismatched(self) -> bool:

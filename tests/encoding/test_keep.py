@@ -7,14 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from tiny import fused_session, saved_open_fuser
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.keep import kept_count
 from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions
 from cachegraft_cli.errors import StoreMismatchError, UsageError
-from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
 
 TEXTS = [
@@ -33,17 +32,7 @@ def _passages(n, start=0):
 @pytest.fixture(scope="module")
 def session(tiny_models, tiny_dirs, tmp_path_factory):
     """receiver <- sharer_same through a random fuser with open gates (fusion is not the identity)."""
-    from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
-
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(3)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
-    path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
-    return ModelSession(ModelChoice(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), str(path),
-                                    device="cpu", dtype="float32"))
+    return fused_session(tiny_dirs, saved_open_fuser(tiny_models, tmp_path_factory.mktemp("fuser") / "open", seed=3))
 
 
 def _normalised_files(store_dir: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from cli_support import run_cli
+from tiny import fused_session, saved_open_fuser
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.donors import donor_tokens, pick_donors
@@ -16,7 +17,6 @@ from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions
 from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
 
 TEXTS = [
@@ -31,21 +31,11 @@ PASSAGES = [Passage(f"p{i}", "Same" if i < 2 else f"Title {i}", t) for i, t in e
 
 @pytest.fixture(scope="module")
 def fuser_dir(tiny_models, tmp_path_factory):
-    from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
-
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(5)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)  # open: the sharer's cache changes the fused one
-    path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
-    return path
+    """Open gates: the sharer's cache changes the fused one."""
+    return saved_open_fuser(tiny_models, tmp_path_factory.mktemp("fuser") / "open", seed=5)
 
 
-def _session(tiny_dirs, fuser_dir) -> ModelSession:
-    return ModelSession(ModelChoice(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), str(fuser_dir),
-                                    device="cpu", dtype="float32"))
+_session = fused_session
 
 
 def test_donors_are_other_passages_nearest_in_length_with_another_title():

@@ -5,7 +5,7 @@ setting is kept by appends and checked before any model loads."""
 
 import numpy as np
 import pytest
-import torch
+from tiny import fused_session, saved_open_fuser
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.local import encode_corpus
@@ -24,17 +24,7 @@ PASSAGES = [
 
 @pytest.fixture(scope="module")
 def session(tiny_models, tiny_dirs, tmp_path_factory):
-    from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
-
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(7)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32)
-    fuser.set_gates(1.0)
-    path = tmp_path_factory.mktemp("fuser") / "open"
-    save_published(fuser, path)
-    return ModelSession(ModelChoice(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), str(path),
-                                    device="cpu", dtype="float32"))
+    return fused_session(tiny_dirs, saved_open_fuser(tiny_models, tmp_path_factory.mktemp("fuser") / "open", seed=7))
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,14 @@ has no sharer dependence; bad options are refused before any model loads."""
 import json
 
 import pytest
-import torch
 from cli_support import PASSAGES, run_cli
+from tiny import open_fuser
 
 
 def _fuser_dir(tiny_models, path, logit: float, sharer_input: str = "model") -> str:
     from cachegraft_cli.fuser.checkpoint import save_published
-    from cachegraft_cli.fuser.fuser import Fuser
 
-    r, s = tiny_models["receiver"], tiny_models["sharer_same"]
-    torch.manual_seed(2)
-    fuser = Fuser.create(r.spec, s.spec, r.geometry, s.geometry, hidden_dim=32, intermediate_dim=32,
-                         sharer_input=sharer_input)
+    fuser = open_fuser(tiny_models["receiver"], tiny_models["sharer_same"], seed=2, sharer_input=sharer_input)
     fuser.set_gates(logit)
     save_published(fuser, path)
     return str(path)
