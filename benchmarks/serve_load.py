@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 CLI = [sys.executable, "-m", "cachegraft_cli"]
 WORK = Path(os.environ.get("CACHEGRAFT_BENCH_DIR", "/tmp/cachegraft-bench"))
 

@@ -24,12 +24,12 @@ typed keyword arguments (`AskSettings`: `system`, `k`, `scheme`, `order`, `recom
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypedDict
 
 from cachegraft_cli import checks
-from cachegraft_cli.answering.options import AskOptions, check_batch_size, check_index_kind
+from cachegraft_cli.answering.options import AskOptions, check_batch_size, check_index_kind, with_settings
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.errors import CacheGraftError, UsageError
@@ -110,18 +110,7 @@ class Answer:
 
 def ask_options(options: AskOptions | None = None, **settings: Unpack[AskSettings]) -> AskOptions:
     """`options` (default `AskOptions()`) with `settings` applied, checked; an unknown name is refused."""
-    generation_names = {f.name for f in fields(GenerationConfig)}
-    ask_names = {f.name for f in fields(AskOptions)} - {"generation"}
-    unknown = sorted(set(settings) - generation_names - ask_names)
-    if unknown:
-        raise UsageError(f"Unknown ask option(s): {', '.join(unknown)}.",
-                         f"Known: {', '.join(sorted(ask_names | generation_names))}.")
-    checks.instance("options", options, AskOptions,
-                    "Build one with cg.AskOptions(...), or pass the settings as keyword arguments.")
-    base = (options or AskOptions()).check()  # a bad `generation` is refused before it is copied
-    values: dict[str, Any] = dict(settings)
-    generation = replace(base.generation, **{k: v for k, v in values.items() if k in generation_names})
-    return replace(base, **{k: v for k, v in values.items() if k in ask_names}, generation=generation).check()
+    return with_settings(options, dict(settings))
 
 
 class Store:

@@ -4,7 +4,8 @@ arguments here, so a mistake gets the same message from either."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE, DEFAULT_SCHEME, AssemblyOptions
 from cachegraft_cli.answering.systems import check_name
@@ -48,3 +49,21 @@ def check_batch_size(batch_size) -> int:
 def check_index_kind(kind) -> str | None:
     """Which half of a hybrid index to search (None: the index's own kind)."""
     return None if kind is None else one_of("index_kind (--index-kind)", kind, INDEX_KINDS)
+
+
+def with_settings(options: AskOptions | None, settings: dict[str, Any]) -> AskOptions:
+    """`options` (default `AskOptions()`) with `settings` (AskOptions' and GenerationConfig's field
+    names) applied, checked; an unknown name is refused. `cg.ask_options` and the CLI use this."""
+    from cachegraft_cli.errors import UsageError
+
+    generation_names = {f.name for f in fields(GenerationConfig)}
+    ask_names = {f.name for f in fields(AskOptions)} - {"generation"}
+    unknown = sorted(set(settings) - generation_names - ask_names)
+    if unknown:
+        raise UsageError(f"Unknown ask option(s): {', '.join(unknown)}.",
+                         f"Known: {', '.join(sorted(ask_names | generation_names))}.")
+    instance("options", options, AskOptions,
+             "Build one with cg.AskOptions(...), or pass the settings as keyword arguments.")
+    base = (options or AskOptions()).check()  # a bad `generation` is refused before it is copied
+    generation = replace(base.generation, **{k: v for k, v in settings.items() if k in generation_names})
+    return replace(base, **{k: v for k, v in settings.items() if k in ask_names}, generation=generation).check()

@@ -61,11 +61,9 @@ def ask(
                                                    help="With --server: the server's API key.")] = None,
 ) -> None:
     """Answer a question from the store with the receiver only (or a baseline system)."""
-    from cachegraft_cli.answering.options import check_batch_size, check_index_kind
+    from cachegraft_cli.answering.options import check_batch_size, check_index_kind, with_settings
     from cachegraft_cli.answering.questions import read_questions
     from cachegraft_cli.answering.systems import check_question
-    from cachegraft_cli.api import Store, ask_options
-    from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.errors import UsageError
 
     if (question is None) == (questions is None):
@@ -74,8 +72,9 @@ def ask(
     # Everything that can be checked is checked before any model loads: options (by the same
     # checks as the API's), the questions file, the model choices, the store, its index and
     # whether each prompt fits the model's context window.
-    options = ask_options(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
-                          blend_layer=blend_layer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    options = with_settings(None, dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute,
+                                       blend=blend, blend_layer=blend_layer, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, seed=seed))
     check_batch_size(batch_size)
     check_index_kind(index_kind)
     items = read_questions(questions) if questions is not None else []
@@ -86,6 +85,11 @@ def ask(
                               trust_remote_code=trust_remote_code or None)
         _ask_server(server, api_key, store, question, items, options, json_out, show_passages, batch_size)
         return
+    # The local path's imports (the API and its model session) come after the server's early return:
+    # `ask --server` is run once per question from shells and pays every import.
+    from cachegraft_cli.api import Store
+    from cachegraft_cli.cli.output import showing_status
+
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
     graft.check(system)

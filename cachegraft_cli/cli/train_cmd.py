@@ -36,6 +36,10 @@ def train_fuser(
     sharer_input: Annotated[
         str, typer.Option(help="model, or zero: a receiver-only adapter control (the sharer never runs).")
     ] = "model",
+    sharer_notes: Annotated[
+        int, typer.Option(help="Train on passages followed by the sharer's notes (up to N tokens each), as "
+                               "`encode --sharer-notes N` stores them (0: none).")
+    ] = 0,
     val_data: Annotated[
         Optional[list[str]],
         typer.Option("--val-data", help="Validation files (default: a seeded held-out split of --data by passage)."),
@@ -125,6 +129,7 @@ def train_fuser(
         out=out,
         objective=objective,
         sharer_input=sharer_input,
+        sharer_notes=sharer_notes,
         val_data=list(val_data or []),
         seed=seed,
         hidden_dim=hidden_dim,

@@ -23,19 +23,28 @@ def notes_identity(tokens: int | None) -> dict | None:
 
 def add_notes(chunks: list, session, max_tokens: int) -> None:
     """Give every chunk without notes the sharer's notes, and its token ids with them."""
-    from cachegraft_cli.lm.generation import Prompt, generate_batch
-    from cachegraft_cli.lm.sampling import GenerationConfig
-    from cachegraft_cli.lm.template import PromptTemplate
     from cachegraft_cli.store.rows import with_notes
 
     todo = [c for c in chunks if c.notes is None]
     if not todo:
         return
-    sharer = session.sharer
-    asking = PromptTemplate.for_tokenizer(sharer.tokenizer, session.choice.instruction)
-    request = asking.question_ids(NOTES_REQUEST)
-    prompts = [Prompt.plain(None, asking.prefix_ids() + asking.passage_ids(c.passage.title, c.text) + request, 0)
-               for c in todo]
-    for chunk, gen in zip(todo, generate_batch(sharer, prompts, GenerationConfig(max_tokens))):
-        chunk.notes = "\n".join(line.strip() for line in gen.text.splitlines() if line.strip())
+    written = write_notes(session.sharer, session.choice.instruction, [(c.passage.title, c.text) for c in todo],
+                          max_tokens)
+    for chunk, notes in zip(todo, written):
+        chunk.notes = notes
         chunk.ids = session.template.passage_ids(chunk.passage.title, with_notes(chunk.text, chunk.notes))
+
+
+def write_notes(sharer, instruction: str, passages: list[tuple[str, str]], max_tokens: int) -> list[str]:
+    """The sharer's notes on each (title, text), decoded together: greedy, blank lines dropped.
+    `train-fuser --sharer-notes` writes its training passages' notes with this too."""
+    from cachegraft_cli.lm.generation import Prompt, generate_batch
+    from cachegraft_cli.lm.sampling import GenerationConfig
+    from cachegraft_cli.lm.template import PromptTemplate
+
+    asking = PromptTemplate.for_tokenizer(sharer.tokenizer, instruction)
+    request = asking.question_ids(NOTES_REQUEST)
+    prompts = [Prompt.plain(None, asking.prefix_ids() + asking.passage_ids(title, text) + request, 0)
+               for title, text in passages]
+    return ["\n".join(line.strip() for line in gen.text.splitlines() if line.strip())
+            for gen in generate_batch(sharer, prompts, GenerationConfig(max_tokens))]

@@ -4,7 +4,6 @@ to a running `cachegraft serve` (`POST /v1/ask`), answers as `ask --json` has th
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cachegraft_cli.answering.options import AskOptions
@@ -36,6 +35,8 @@ class Client:
     def ask_many(self, store: str, questions: list[str], options: AskOptions, concurrency: int = 8) -> list[dict]:
         """Answers in order, `concurrency` requests in flight (the server decodes them together);
         a question the server found no passage for gets {"question", "error"} in its place."""
+        from concurrent.futures import ThreadPoolExecutor
+
         def one(question: str) -> dict:
             try:
                 return self.ask(store, question, options)

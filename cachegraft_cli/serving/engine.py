@@ -57,7 +57,7 @@ class Job:
 class EngineSettings:
     max_queue: int = 64  # questions waiting or being answered; one more gets 429
     max_batch: int = 8  # questions decoded together
-    gather_seconds: float = 0.025  # how long the worker waits for companions once it has a question
+    gather_seconds: float = 0.005  # how long the worker waits for companions once it has a question
     watch_seconds: float = 2.0  # how often the stores are checked for changes (0: only on /v1/reload)
 
 

@@ -23,6 +23,7 @@ class TrainConfig:
     out: str
     objective: str = "qa"
     sharer_input: str = "model"
+    sharer_notes: int = 0  # > 0: the sharer's notes (up to N tokens) follow each passage, as `encode --sharer-notes`
     val_data: list[str] = field(default_factory=list)
     seed: int = 0
     # fuser shape (docs/method.md section 1); dtype of the trained weights is float32
@@ -79,6 +80,9 @@ class TrainConfig:
             raise TrainingError(f"Unknown objective {self.objective!r}.", f"Choose one of: {', '.join(OBJECTIVES)}.")
         if self.sharer_input not in SHARER_INPUTS:
             raise TrainingError(f"Unknown sharer input {self.sharer_input!r}.", "Use --sharer-input model or zero.")
+        if self.sharer_notes < 0:
+            raise TrainingError(f"--sharer-notes {self.sharer_notes} is negative.",
+                                "Give the notes' token limit (e.g. 48), or 0 for none.")
         if not self.data:
             raise TrainingError("No training data given.", "Pass --data FILE (SQuAD JSON, JSONL or .txt), repeatable.")
         if self.num_layers < 2:

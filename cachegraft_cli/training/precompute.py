@@ -29,7 +29,8 @@ def unstack(t: torch.Tensor) -> PlainKV:
     return [(t[i, 0], t[i, 1]) for i in range(t.shape[0])]
 
 
-def bank_identity(receiver, sharer, template, dtype: str) -> dict:
+def bank_identity(receiver, sharer, template, dtype: str, notes: dict | None = None) -> dict:
+    """What the bank's caches depend on (`notes`: `notes_identity` of the passages' notes, if any)."""
     return {
         "receiver": receiver.identity,
         "sharer": {**sharer.identity, "dtype": str(sharer.dtype).removeprefix("torch.")}
@@ -39,6 +40,7 @@ def bank_identity(receiver, sharer, template, dtype: str) -> dict:
         "prefix_token_ids": template.prefix_ids(),
         "dtype": dtype,
         "model_dtype": str(receiver.dtype).removeprefix("torch."),
+        **({"notes": notes} if notes else {}),
     }
 
 

@@ -103,6 +103,60 @@ def select_passages(config, template, dataset, val_dataset):
     return ids, train, val
 
 
+def add_notes(config, sharer, template, passages, ids, keys, progress: bool) -> dict | None:
+    """With --sharer-notes N: the sharer's notes on each passage in `keys`, and `ids[key]` re-made as
+    passage + notes (what `encode --sharer-notes N` caches). Notes are kept in OUT/notes.json, so a
+    resumed or repeated run reuses them. Returns what the training record says of them."""
+    if not config.sharer_notes:
+        return None
+    import json
+    import time
+    from pathlib import Path
+
+    from cachegraft_cli.encoding.notes import notes_identity, write_notes
+    from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
+    from cachegraft_cli.store.rows import with_notes
+
+    t0 = time.perf_counter()
+    file = Path(config.out) / "notes.json"
+    identity = {**notes_identity(config.sharer_notes), "sharer": config.sharer}
+    saved = json.loads(file.read_text()) if file.is_file() else {}
+    notes = saved.get("notes", {}) if saved.get("identity") == identity else {}
+    todo = [k for k in keys if k not in notes]
+    if todo:
+        writer = sharer if sharer is not None else load_models_for_notes(config)
+        bar = _bar(len(todo), progress, "sharer notes")
+        for start in range(0, len(todo), 8):
+            batch = todo[start : start + 8]
+            texts = [(passages[k].title, passages[k].text) for k in batch]
+            notes.update(zip(batch, write_notes(writer, config.instruction or DEFAULT_INSTRUCTION, texts,
+                                                config.sharer_notes)))
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps({"identity": identity, "notes": notes}, indent=1))
+            if bar:
+                bar.update(len(batch))
+        if bar:
+            bar.close()
+    added = 0
+    for k in keys:
+        before = len(ids[k])
+        ids[k] = template.passage_ids(passages[k].title, with_notes(passages[k].text, notes[k]))
+        added += len(ids[k]) - before
+    say(f"sharer notes: {len(keys)} passages ({len(todo)} written) in {time.perf_counter() - t0:.0f} s, "
+        f"{added / max(1, len(keys)):.1f} tokens added per passage")
+    return {"tokens": config.sharer_notes, "passages": len(keys), "written": len(todo), "tokens_added": added,
+            "tokens_added_per_passage": round(added / max(1, len(keys)), 1),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def load_models_for_notes(config):
+    """The sharer alone, for an adapter run's notes (its caches never use the sharer)."""
+    from cachegraft_cli.lm.models import load_causal_lm
+
+    return load_causal_lm(config.sharer, device=config.device or "cpu",
+                          dtype=config.sharer_dtype or config.model_dtype, trust_remote_code=config.trust_remote_code)
+
+
 def build_items(config, template, ids, keys, questions, passages):
     """Items of one split; a qa item's past is assembled as `ask` would (see objectives.with_passages)."""
     lengths = {k: len(ids[k]) for k in keys}
@@ -164,9 +218,12 @@ def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bo
     t0 = time.perf_counter()
     engine = PassageFusion(receiver, template.prefix_ids(), sharer, fuser)
     root = config.cache_dir or (cache_dir() / "train-caches")
-    bank = CacheBank(bank_identity(receiver, sharer, template, config.cache_dtype), config.cache_dtype,
+    from cachegraft_cli.encoding.notes import notes_identity
+
+    identity = bank_identity(receiver, sharer, template, config.cache_dtype, notes_identity(config.sharer_notes))
+    bank = CacheBank(identity, config.cache_dtype,
                      None if config.cache_dir == "none" else root)
-    bar = _bar(len(bank.missing(keys)), progress)
+    bar = _bar(len(bank.missing(keys)), progress, "precompute caches")
     computed = bank.fill(engine, {k: ids[k] for k in keys}, batch_size=4,
                          progress=(lambda n, t: bar.update(n)) if bar else None)
     if bar:
@@ -180,14 +237,14 @@ def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bo
     return bank, prefix, time.perf_counter() - t0
 
 
-def _bar(total, enabled):
+def _bar(total, enabled, what: str):
     if not enabled:
         return None
     import sys
 
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="precompute caches", unit="passage", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=what, unit="passage", file=sys.stderr, dynamic_ncols=True)
 
 
 def free(model) -> None:

@@ -387,3 +387,36 @@ def test_holdout_removes_the_evaluated_corpus(tiny_dirs, squad_file, tmp_path):
     assert all(q.passage in kept.passages for q in kept.questions)
     with pytest.raises(TrainingError, match="--holdout"):
         without_holdout(_config(tiny_dirs, squad_file, tmp_path / "h2", holdout=[str(tmp_path / "nope.json")]), full)
+
+
+def test_sharer_notes_follow_each_passage_as_encode_stores_them(tiny_dirs, tiny_models, squad_file, tmp_path):
+    """train-fuser --sharer-notes N trains on passage + the sharer's notes, the token ids `encode
+    --sharer-notes N` caches; the notes are kept in OUT/notes.json and reused by a repeated run."""
+    from cachegraft_cli.encoding.notes import write_notes
+    from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
+    from cachegraft_cli.store.rows import with_notes
+    from cachegraft_cli.training.data import read_files
+    from cachegraft_cli.training.setup import add_notes, select_passages
+
+    summary = run(_config(tiny_dirs, squad_file, tmp_path / "n", sharer_notes=5, max_steps=2), progress=False)
+    info = summary["data"]["notes"]
+    saved = json.loads((tmp_path / "n" / "notes.json").read_text())
+    assert saved["identity"]["tokens"] == 5 and info["written"] == info["passages"] == len(saved["notes"]) > 0
+    s, r = tiny_models["sharer_same"], tiny_models["receiver"]
+    cfg = _config(tiny_dirs, squad_file, tmp_path / "n", sharer_notes=5)
+    ds = read_files(cfg.data)
+    tpl = PromptTemplate.for_tokenizer(r.tokenizer)
+    ids, train, val = select_passages(cfg, tpl, ds, None)
+    keys = sorted(saved["notes"])
+    assert set(keys) == set(train + val)
+    fresh = write_notes(s, DEFAULT_INSTRUCTION, [(ds.passages[k].title, ds.passages[k].text) for k in keys], 5)
+    assert fresh == [saved["notes"][k] for k in keys]  # greedy: the same notes every time
+    plain = {k: list(v) for k, v in ids.items()}
+    again = add_notes(cfg, None, tpl, ds.passages, ids, keys, progress=False)  # no sharer: the saved notes serve
+    assert again is not None and again["written"] == 0
+    for k in keys:
+        passage = ds.passages[k]
+        assert ids[k] == tpl.passage_ids(passage.title, with_notes(passage.text, saved["notes"][k]))
+    assert sum(len(ids[k]) - len(plain[k]) for k in keys) == info["tokens_added"] > 0
+    with pytest.raises(TrainingError, match="--sharer-notes"):
+        _config(tiny_dirs, squad_file, tmp_path / "bad", sharer_notes=-1).check()
