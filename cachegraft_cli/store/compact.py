@@ -198,9 +198,9 @@ class _PartWriter:
 
     def _write(self, n: int) -> None:
         block = np.concatenate(self.buffer) if len(self.buffer) > 1 else self.buffer[0]
-        data = shards.encode_shard(block[:n], self.per_chunk, self.per_shard // self.per_chunk, self.compressor)
+        pieces = shards.shard_pieces(block[:n], self.per_chunk, self.per_shard // self.per_chunk, self.compressor)
         key = shards.shard_key(self.path, self.written // self.per_shard, 1 + len(self.comp.tail))
-        self.store.loc.write_bytes(key, data)
+        self.store.loc.write_bytes(key, pieces)
         rest = block[n:]
         self.buffer, self.buffered, self.written = ([rest] if len(rest) else []), len(rest), self.written + n
 

@@ -33,10 +33,15 @@ def _crc_bytes(payload) -> bytes:
 
 
 def encode_shard(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, compressor) -> bytes:
-    """One shard from up to `rows_per_chunk * chunks_per_shard` rows (axis 0) of a component.
+    """One shard from up to `rows_per_chunk * chunks_per_shard` rows (axis 0) of a component, as bytes."""
+    return b"".join(shard_pieces(rows, rows_per_chunk, chunks_per_shard, compressor))
+
+
+def shard_pieces(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, compressor) -> list[bytes]:
+    """The shard's bytes as pieces in file order (`Location.write_pieces` writes them without joining).
 
     One compressor call and one crc32c per inner chunk, over views of `rows` (no copy but
-    the zero padding of a short last chunk), and one join of the pieces at the end."""
+    the zero padding of a short last chunk, and the bytes of an uncompressed chunk)."""
     if rows.dtype.byteorder == ">" or (rows.dtype.byteorder == "=" and not np.little_endian):
         rows = rows.astype(rows.dtype.newbyteorder("<"))
     rows = np.ascontiguousarray(rows)
@@ -51,8 +56,7 @@ def encode_shard(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, c
         index[j] = (offset, len(payload) + 4)
         offset += len(payload) + 4
     table = index.tobytes()
-    pieces += [table, _crc_bytes(table)]
-    return b"".join(pieces)
+    return pieces + [table, _crc_bytes(table)]
 
 
 def shard_key(array_path: str, shard: int, ndim: int) -> str:

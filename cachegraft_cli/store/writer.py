@@ -177,8 +177,9 @@ class StoreWriter:
         path = array_path(self.name, kind, comp.name)
         if (kind, comp.name) not in self._arrays:
             self._arrays[(kind, comp.name)] = segments.create_array(self.store, path, comp)
-        data = shards.encode_shard(rows, per_chunk, per_shard // per_chunk, self._compressors[comp.dtype])
-        self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)), data)
+        pieces = shards.shard_pieces(rows, per_chunk, per_shard // per_chunk, self._compressors[comp.dtype])
+        self.store.loc.write_bytes(shards.shard_key(path, start // comp.stride // per_shard, 1 + len(comp.tail)),
+                                   pieces)
 
     def _resize_arrays(self) -> None:
         for (_kind, part), arr in self._arrays.items():

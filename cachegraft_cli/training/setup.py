@@ -119,7 +119,7 @@ def add_notes(config, sharer, template, passages, ids, keys, progress: bool) -> 
 
     t0 = time.perf_counter()
     file = Path(config.out) / "notes.json"
-    identity = {**notes_identity(config.sharer_notes), "sharer": config.sharer}
+    identity = {**(notes_identity(config.sharer_notes) or {}), "sharer": config.sharer}
     saved = json.loads(file.read_text()) if file.is_file() else {}
     notes = saved.get("notes", {}) if saved.get("identity") == identity else {}
     todo = [k for k in keys if k not in notes]

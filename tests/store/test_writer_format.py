@@ -136,3 +136,18 @@ def test_a_cache_that_does_not_convert_aborts_the_session(tmp_path):
     with pytest.raises((TypeError, ValueError)):
         w.add(row(0), {"fused": np.full((3,) + TOKEN_SHAPE, "x", dtype=object)})
     assert w.closed and not CacheStore.open(str(tmp_path / "s")).segments
+
+
+@pytest.mark.parametrize("url", ["local", "memory://pieces-test"])
+def test_a_file_written_in_pieces_is_their_concatenation(tmp_path, url):
+    """Shards reach the disk as pieces (no joined copy locally; one put on an object store)."""
+    from cachegraft_cli.store.location import Location
+    from cachegraft_cli.store.shards import encode_shard, shard_pieces
+
+    loc = Location.from_url(str(tmp_path / "loc") if url == "local" else url)
+    rows = np.arange(3 * 2 * 5, dtype=np.int8).reshape(3, 2, 5)
+    pieces = shard_pieces(rows, 2, 4, None)
+    loc.write_bytes("a/b/c/0", pieces)
+    loc.write_bytes("a/b/whole", encode_shard(rows, 2, 4, None))
+    assert loc.read_bytes("a/b/c/0") == b"".join(pieces) == loc.read_bytes("a/b/whole")
+    assert len(pieces) == 2 * 2 + 2  # two chunks with their crc32c, then the index and its crc32c
