@@ -105,48 +105,82 @@ def select_passages(config, template, dataset, val_dataset):
 
 def add_notes(config, sharer, template, passages, ids, keys, progress: bool) -> dict | None:
     """With --sharer-notes N: the sharer's notes on each passage in `keys`, and `ids[key]` re-made as
-    passage + notes (what `encode --sharer-notes N` caches). Notes are kept in OUT/notes.json, so a
-    resumed or repeated run reuses them. Returns what the training record says of them."""
+    passage + notes (what `encode --sharer-notes N` caches). Notes are kept in a file beside the
+    cache bank (in OUT with --cache-dir none), so a resumed or repeated run, or the adapter run that
+    follows a fuser's, reuses them. Returns what the training record says of them."""
     if not config.sharer_notes:
         return None
-    import json
     import time
-    from pathlib import Path
 
-    from cachegraft_cli.encoding.notes import notes_identity, write_notes
-    from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
     from cachegraft_cli.store.rows import with_notes
 
     t0 = time.perf_counter()
-    file = Path(config.out) / "notes.json"
-    identity = {**(notes_identity(config.sharer_notes) or {}), "sharer": config.sharer}
-    saved = json.loads(file.read_text()) if file.is_file() else {}
-    notes = saved.get("notes", {}) if saved.get("identity") == identity else {}
+    file = notes_file(config)
+    notes = _saved_notes(file)
     todo = [k for k in keys if k not in notes]
     if todo:
-        writer = sharer if sharer is not None else load_models_for_notes(config)
-        bar = _bar(len(todo), progress, "sharer notes")
-        for start in range(0, len(todo), 8):
-            batch = todo[start : start + 8]
-            texts = [(passages[k].title, passages[k].text) for k in batch]
-            notes.update(zip(batch, write_notes(writer, config.instruction or DEFAULT_INSTRUCTION, texts,
-                                                config.sharer_notes)))
-            file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_text(json.dumps({"identity": identity, "notes": notes}, indent=1))
-            if bar:
-                bar.update(len(batch))
-        if bar:
-            bar.close()
+        _write_notes(config, sharer, passages, todo, notes, file, progress)
     added = 0
     for k in keys:
         before = len(ids[k])
         ids[k] = template.passage_ids(passages[k].title, with_notes(passages[k].text, notes[k]))
         added += len(ids[k]) - before
     say(f"sharer notes: {len(keys)} passages ({len(todo)} written) in {time.perf_counter() - t0:.0f} s, "
-        f"{added / max(1, len(keys)):.1f} tokens added per passage")
+        f"{added / max(1, len(keys)):.1f} tokens added per passage; kept in {file}")
     return {"tokens": config.sharer_notes, "passages": len(keys), "written": len(todo), "tokens_added": added,
             "tokens_added_per_passage": round(added / max(1, len(keys)), 1),
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "seconds": round(time.perf_counter() - t0, 1), "file": str(file)}
+
+
+def notes_file(config):
+    """Where a run's notes live: named by what they depend on (the request and token limit, the
+    sharer and its dtype, the instruction), so runs that would write the same notes share them."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from cachegraft_cli.config import cache_dir
+    from cachegraft_cli.encoding.notes import notes_identity
+
+    identity = {**(notes_identity(config.sharer_notes) or {}), "sharer": config.sharer,
+                "dtype": config.sharer_dtype or config.model_dtype, "instruction": config.instruction}
+    name = "notes-" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16] + ".json"
+    if config.cache_dir == "none":
+        return Path(config.out) / name
+    return Path(config.cache_dir or (cache_dir() / "train-caches")) / name
+
+
+def _saved_notes(file) -> dict:
+    import json
+
+    try:
+        return dict(json.loads(file.read_text())["notes"]) if file.is_file() else {}
+    except (ValueError, KeyError, TypeError):  # a torn file from an interrupted run: write the notes again
+        return {}
+
+
+def _write_notes(config, sharer, passages, todo, notes: dict, file, progress: bool) -> None:
+    """Write the notes of `todo` into `notes`, 8 passages at a time, saving after each batch."""
+    import json
+
+    from cachegraft_cli.encoding.notes import write_notes
+    from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
+
+    writer = sharer if sharer is not None else load_models_for_notes(config)
+    bar = _bar(len(todo), progress, "sharer notes")
+    for start in range(0, len(todo), 8):
+        batch = todo[start : start + 8]
+        texts = [(passages[k].title, passages[k].text) for k in batch]
+        notes.update(zip(batch, write_notes(writer, config.instruction or DEFAULT_INSTRUCTION, texts,
+                                            config.sharer_notes)))
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"notes": notes}, indent=1))
+        tmp.replace(file)
+        if bar:
+            bar.update(len(batch))
+    if bar:
+        bar.close()
 
 
 def load_models_for_notes(config):

@@ -400,8 +400,9 @@ def test_sharer_notes_follow_each_passage_as_encode_stores_them(tiny_dirs, tiny_
 
     summary = run(_config(tiny_dirs, squad_file, tmp_path / "n", sharer_notes=5, max_steps=2), progress=False)
     info = summary["data"]["notes"]
-    saved = json.loads((tmp_path / "n" / "notes.json").read_text())
-    assert saved["identity"]["tokens"] == 5 and info["written"] == info["passages"] == len(saved["notes"]) > 0
+    (file,) = (tmp_path / "n").glob("notes-*.json")  # --cache-dir none: beside the run's output
+    saved = json.loads(file.read_text())
+    assert info["written"] == info["passages"] == len(saved["notes"]) > 0 and info["file"] == str(file)
     s, r = tiny_models["sharer_same"], tiny_models["receiver"]
     cfg = _config(tiny_dirs, squad_file, tmp_path / "n", sharer_notes=5)
     ds = read_files(cfg.data)
