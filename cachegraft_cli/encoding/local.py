@@ -35,6 +35,7 @@ from cachegraft_cli.encoding.plan import (
     new_chunks,
     run_info,
     with_donors,
+    with_notes_first,
 )
 from cachegraft_cli.session import ModelSession
 from cachegraft_cli.store.codecs import DEFAULT_CODEC
@@ -96,7 +97,8 @@ def encode_corpus(
                 progress(0, 0)
             todo = new_chunks(source, known, session.template, options)
             if mismatched:  # donors are chosen among all of this run's passages: the plan is held whole
-                todo = iter(with_donors(list(todo)))
+                chunks = list(todo)
+                todo = iter(with_donors(with_notes_first(chunks, session, options) if notes else chunks))
             with writing(target.name, "write the store"):
                 _write(todo, written, session, options, summary, progress, lock)
     summary.seconds = round(time.perf_counter() - start, 3)

@@ -54,9 +54,6 @@ class EncodeOptions:
             flag("mismatched_sharer (--mismatched-sharer)", self.mismatched_sharer)
         if self.sharer_notes is not None:
             whole("sharer_notes (--sharer-notes)", self.sharer_notes, 0, 1024)
-        if self.mismatched_sharer and self.sharer_notes:
-            raise UsageError("--mismatched-sharer and --sharer-notes do not go together (a donor is matched to a "
-                             "passage's length before notes are written).", "Encode the two controls apart.")
         if self.keep_by is not None and self.keep_by not in KEEP_METHODS:
             raise UsageError(f"unknown keep method {self.keep_by!r}.", f"Use one of: {', '.join(KEEP_METHODS)}.")
 
@@ -309,6 +306,18 @@ def commit_windows(todo: Iterable[Chunk], options: EncodeOptions) -> Iterator[li
             window = []
     if window:
         yield window
+
+
+def with_notes_first(chunks: list[Chunk], session: ModelSession, options: EncodeOptions) -> list[Chunk]:
+    """Every chunk's notes written before any is fused, in the batches `encode_window` would write
+    them in (same windows, same length order), so they are the notes a plain notes run writes: a
+    notes + mismatched-sharer run matches donors on passage + notes, and a donor's notes must exist."""
+    from cachegraft_cli.encoding.notes import add_notes
+
+    for window in commit_windows(chunks, options):
+        for batch in _batches(window, options.batch_size):
+            add_notes(batch, session, options.sharer_notes or 0)
+    return chunks
 
 
 def run_info(window: list[Chunk], runner: str = "local") -> dict:

@@ -91,6 +91,8 @@ class StoreAnswerer:
         self.labels = list(systems)
         self.systems = sorted({base_system(s) for s in systems})  # what stores and models are needed for
         self.stores_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems))
+        self.mismatched_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems
+                                                    if base_system(s) == "mismatched"))
         self._askers: dict[tuple, object] = {}
         self._sessions: dict[str, object] = {}
 
@@ -143,11 +145,9 @@ class StoreAnswerer:
                 session = self._session(fuser)
                 if not isinstance(session.fusion(), ReusedFusion):
                     session.__dict__["_fusion"] = ReusedFusion(session.fusion())
-            for settings in self.stores_needed:
+            for settings in self.mismatched_needed if mismatched else self.stores_needed:
                 url = self._store_url(benchmark_name, fuser, settings, mismatched)
                 codec, keep, keep_by, notes = settings
-                if mismatched and notes:
-                    continue  # the control is made for the stores without notes
                 options = EncodeOptions(codec, self.config.encode_batch_size, also_own_cache=own, keep=keep,
                                         keep_by=keep_by if keep < 1 else None, mismatched_sharer=mismatched,
                                         sharer_notes=notes)

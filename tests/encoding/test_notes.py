@@ -90,8 +90,6 @@ def test_the_store_setting_is_kept_and_checked_before_models_load(session, notes
     with pytest.raises(UsageError, match="needs a sharer"):
         encode_corpus(PASSAGES, str(tmp_path / "s"), closed, EncodeOptions(sharer_notes=4))
     assert "receiver" not in closed.__dict__
-    with pytest.raises(UsageError, match="do not go together"):
-        EncodeOptions(sharer_notes=4, mismatched_sharer=True)
     with pytest.raises(UsageError, match="sharer_notes"):
         EncodeOptions(sharer_notes=-1)
 
@@ -102,3 +100,28 @@ def test_evaluate_variants_take_notes():
     assert check_variant("text@notes=48").store == {"notes": 48}
     with pytest.raises(UsageError, match="sharer_notes"):
         check_variant("graft@notes=5000")
+
+
+def test_notes_with_a_mismatched_sharer_read_the_donors_passage_and_notes(session, notes_store, tmp_path):
+    """The control of a notes store: each passage keeps its notes (the very notes a plain notes run
+    writes) and its receiver KV; the sharer reads a donor's passage + notes, matched on that length."""
+    from cachegraft_cli.encoding.donors import donor_tokens, pick_donors
+
+    plain_url, _ = notes_store
+    url = str(tmp_path / "control")
+    encode_corpus(PASSAGES, url, session, EncodeOptions(codec="float32", sharer_notes=6, mismatched_sharer=True))
+    store, plain = CacheStore.open(url), CacheStore.open(plain_url)
+    assert store.identity["notes"]["tokens"] == 6 and store.identity["fuser"]["sharer_input"] == "mismatched"
+    rows = {r.id: r for r in store.get_rows([p.id for p in PASSAGES])}
+    assert {i: r.read_text for i, r in rows.items()} == {r.id: r.read_text for r in plain.get_rows(list(rows))}
+    tpl = session.template
+    ids = {i: tpl.passage_ids(r.title, r.read_text) for i, r in rows.items()}
+    order = list(rows)
+    picked = pick_donors(order, [rows[i].title for i in order], [len(ids[i]) for i in order])
+    assert [rows[i].metadata["sharer_donor"] for i in order] == [order[d] for d in picked]
+    # exactness: one batch sorted by length, as encode made it, each fused with its donor's passage + notes
+    batch = sorted(order, key=lambda i: len(ids[i]))
+    donors = [donor_tokens(ids[rows[i].metadata["sharer_donor"]], len(ids[i])) for i in batch]
+    for i, kv in zip(batch, session.fusion().fuse([ids[i] for i in batch], donors=donors)):
+        assert np.array_equal(store.read([i])[0], kvcache.to_token_major(kv.fused))
+    assert not np.array_equal(store.read([batch[0]])[0], plain.read([batch[0]])[0])  # another sharer input

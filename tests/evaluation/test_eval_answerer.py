@@ -140,3 +140,25 @@ def test_evaluate_mismatched_reads_its_own_control_store_and_is_compared_with_gr
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert sorted({a["system"] for a in answers}) == ["graft", "mismatched"] and len(answers) == 8
     assert [c for c in summary["comparisons"] if (c["a"], c["b"]) == ("graft", "mismatched")]
+
+
+def test_evaluate_mismatched_with_notes_builds_only_the_stores_asked_for(qa_file, tiny_dirs, tiny_models, tmp_path,
+                                                                          monkeypatch, capsys):
+    from cachegraft_cli.store import CacheStore
+
+    fuser = _fuser_dir(tiny_models, tmp_path / "open")
+    out, stores = tmp_path / "run", tmp_path / "stores"
+    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", out, "--stores", stores,
+            "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"], "--fuser", fuser,
+            "--systems", "graft@notes=3,mismatched@notes=3", "--k", "1", "--max-new-tokens", "3",
+            "--dtype", "float32", "--codec", "float32", "--json"]
+    monkeypatch.setattr(sys, "argv", list(map(str, args)))
+    with pytest.raises(SystemExit) as info:
+        main()
+    capsys.readouterr()
+    assert (info.value.code or 0) == 0
+    made = [CacheStore.open(str(p)).identity for p in stores.iterdir()]
+    assert sorted(i["fuser"].get("sharer_input", "model") for i in made) == ["mismatched", "model"]
+    assert all(i["notes"]["tokens"] == 3 for i in made)  # no store without notes was made
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert sorted({a["system"] for a in answers}) == ["graft@notes=3", "mismatched@notes=3"]
