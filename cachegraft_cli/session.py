@@ -73,6 +73,9 @@ def _absolute(spec: str | None) -> str | None:
 class ModelSession:
     def __init__(self, choice: ModelChoice):
         self.choice = choice
+        # (title, text, token limit) -> the notes this session's sharer wrote (`encoding.notes`): the
+        # stores `evaluate` makes of one corpus (a notes store and its mismatched control) share them
+        self.notes_written: dict[tuple[str, str, int], str] = {}
 
     @cached_property
     def receiver(self):

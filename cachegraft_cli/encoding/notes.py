@@ -26,12 +26,14 @@ def add_notes(chunks: list, session, max_tokens: int) -> None:
     from cachegraft_cli.store.rows import with_notes
 
     todo = [c for c in chunks if c.notes is None]
-    if not todo:
-        return
-    written = write_notes(session.sharer, session.choice.instruction, [(c.passage.title, c.text) for c in todo],
-                          max_tokens)
-    for chunk, notes in zip(todo, written):
-        chunk.notes = notes
+    memo = session.notes_written
+    new = [c for c in todo if (c.passage.title, c.text, max_tokens) not in memo]
+    if new:
+        written = write_notes(session.sharer, session.choice.instruction, [(c.passage.title, c.text) for c in new],
+                              max_tokens)
+        memo.update({(c.passage.title, c.text, max_tokens): notes for c, notes in zip(new, written)})
+    for chunk in todo:
+        chunk.notes = memo[(chunk.passage.title, chunk.text, max_tokens)]
         chunk.ids = session.template.passage_ids(chunk.passage.title, with_notes(chunk.text, chunk.notes))
 
 
