@@ -7,10 +7,11 @@ With `sharer-text` answers in the run, the *hard subset* too: the questions that
 reading the text gets wrong (EM 0) and the sharer reading the same text gets right (EM 1), pooled
 over the sets per k, with every system's score on them.
 
-    python benchmarks/pairing_gain.py RUN_DIR [RUN_DIR ...] [--pairs graft:mismatched,graft:adapter] [--seed 0]
+    python benchmarks/pairing_gain.py RUN_DIR [TAG=RUN_DIR ...] [--pairs graft:mismatched,graft:adapter] [--seed 0]
 
 Several runs of the same settings (one with the controls, one with `sharer-text`, say) are read
-as one: a (set, k, system, question) answered in two of them is taken from the last.
+as one: a (set, k, system, question) answered in two of them is taken from the last. A run given
+as TAG=RUN_DIR (another fuser, say) names its systems TAG/SYSTEM (`--pairs nf/graft:graft`).
 
 Prints markdown tables, then one JSON line.
 """
@@ -30,13 +31,14 @@ from cachegraft_cli.evaluation.stats import holm, paired_comparison
 ALPHA = 0.05
 
 
-def load(runs: list[Path]) -> dict[tuple, dict[str, dict]]:
-    """(benchmark, k, system) -> question id -> record, over every run."""
+def load(runs: list[str]) -> dict[tuple, dict[str, dict]]:
+    """(benchmark, k, system) -> question id -> record, over every run (TAG=DIR: systems TAG/SYSTEM)."""
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for run in runs:
-        for line in (run / "answers.jsonl").read_text().splitlines():
+        tag, _, folder = run.rpartition("=") if "=" in run and not Path(run).exists() else ("", "", run)
+        for line in (Path(folder) / "answers.jsonl").read_text().splitlines():
             r = json.loads(line)
-            by[(r["benchmark"], r["k"], r["system"])][r["id"]] = r
+            by[(r["benchmark"], r["k"], f"{tag}/{r['system']}" if tag else r["system"])][r["id"]] = r
     return by
 
 
@@ -99,7 +101,7 @@ def hard_subset(by, benches, ks, systems, pairs: list[tuple[str, str]], seed: in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("runs", type=Path, nargs="+")
+    ap.add_argument("runs", nargs="+", help="evaluate --out folders; TAG=DIR names a run's systems TAG/SYSTEM")
     ap.add_argument("--pairs", default="graft:mismatched,graft:adapter", help="A:B,... compared as A minus B")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
