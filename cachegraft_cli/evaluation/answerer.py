@@ -128,6 +128,8 @@ class StoreAnswerer:
             loaded = next((s.__dict__["receiver"] for s in self._sessions.values() if "receiver" in s.__dict__), None)
             if loaded is not None:  # one receiver in memory however many fusers (it is only read)
                 session.__dict__["receiver"] = loaded
+            if self._sessions:  # one sharer writes the notes whatever fuser fuses them: written once
+                session.notes_written = next(iter(self._sessions.values())).notes_written
             self._sessions[key] = session
         return self._sessions[key]
 

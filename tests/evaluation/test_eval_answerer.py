@@ -75,6 +75,7 @@ def test_answerer_shares_the_receiver_and_drops_the_sharer_after_encoding(qa_fil
     answerer.prepare(bench.name, bench.passage_dicts())
     main_session, adapter_session = (answerer._session(f) for f in (fuser, adapter))
     assert adapter_session.receiver is main_session.receiver
+    assert adapter_session.notes_written is main_session.notes_written  # the sharer's notes are written once
     assert "sharer" not in main_session.__dict__ and "_fusion" not in main_session.__dict__
     graft = answerer.answer(bench.name, bench.questions[:2], "graft", 1)
     adapted = answerer.answer(bench.name, bench.questions[:2], "adapter", 1)
