@@ -15,11 +15,15 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
 from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
 from cachegraft_cli.errors import NoPassagesError, UsageError
 from cachegraft_cli.store.codecs import DEFAULT_CODEC
+
+if TYPE_CHECKING:
+    from cachegraft_cli.session import ModelSession
 
 
 @dataclass
@@ -94,7 +98,7 @@ class StoreAnswerer:
         self.mismatched_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems
                                                     if base_system(s) == "mismatched"))
         self._askers: dict[tuple, object] = {}
-        self._sessions: dict[str, object] = {}
+        self._sessions: dict[str, ModelSession] = {}
 
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
