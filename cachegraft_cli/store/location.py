@@ -75,7 +75,8 @@ class Location:
             self._made.add(parent)
         if isinstance(data, list) and self.local:
             with open(self.path(rel), "wb") as fh:
-                fh.writelines(data)
+                for piece in data:
+                    fh.write(piece)
             return
         self.fs.pipe_file(self.path(rel), b"".join(data) if isinstance(data, list) else data)
 
