@@ -94,9 +94,9 @@ class StoreAnswerer:
         self.config = config
         self.labels = list(systems)
         self.systems = sorted({base_system(s) for s in systems})  # what stores and models are needed for
-        self.stores_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems))
-        self.mismatched_needed = list(dict.fromkeys(config.store_settings(parse_variant(s).store) for s in systems
-                                                    if base_system(s) == "mismatched"))
+        settings = {s: config.store_settings(parse_variant(s).store) for s in systems}
+        self.stores_needed = list(dict.fromkeys(settings.values()))
+        self.mismatched_needed = list(dict.fromkeys(v for s, v in settings.items() if base_system(s) == "mismatched"))
         self._askers: dict[tuple, object] = {}
         self._sessions: dict[str, ModelSession] = {}
 

@@ -38,7 +38,7 @@ def encode_shard(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, c
 
 
 def shard_pieces(rows: np.ndarray, rows_per_chunk: int, chunks_per_shard: int, compressor) -> list[bytes]:
-    """The shard's bytes as pieces in file order (`Location.write_pieces` writes them without joining).
+    """The shard's bytes as pieces in file order (`Location.write_bytes` writes them without joining).
 
     One compressor call and one crc32c per inner chunk, over views of `rows` (no copy but
     the zero padding of a short last chunk, and the bytes of an uncompressed chunk)."""

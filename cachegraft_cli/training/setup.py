@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,8 +34,7 @@ def load_models(config):
 
     kw = dict(device=config.device or "cpu", dtype=config.model_dtype, trust_remote_code=config.trust_remote_code)
     receiver = load_causal_lm(config.receiver, **kw)
-    sharer_kw = {**kw, "dtype": config.sharer_dtype or config.model_dtype}
-    sharer = load_causal_lm(config.sharer, **sharer_kw) if config.sharer_input == "model" else None
+    sharer = load_sharer(config) if config.sharer_input == "model" else None
     for lm in (receiver, sharer):
         if lm is not None:
             lm.model.requires_grad_(False)
@@ -137,17 +137,13 @@ def notes_file(config):
     sharer and its dtype, the instruction), so runs that would write the same notes share them."""
     import hashlib
     import json
-    from pathlib import Path
 
-    from cachegraft_cli.config import cache_dir
     from cachegraft_cli.encoding.notes import notes_identity
 
     identity = {**(notes_identity(config.sharer_notes) or {}), "sharer": config.sharer,
                 "dtype": config.sharer_dtype or config.model_dtype, "instruction": config.instruction}
     name = "notes-" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16] + ".json"
-    if config.cache_dir == "none":
-        return Path(config.out) / name
-    return Path(config.cache_dir or (cache_dir() / "train-caches")) / name
+    return (bank_root(config) or Path(config.out)) / name
 
 
 def _saved_notes(file) -> dict:
@@ -161,34 +157,38 @@ def _saved_notes(file) -> dict:
 
 def _write_notes(config, sharer, passages, todo, notes: dict, file, progress: bool) -> None:
     """Write the notes of `todo` into `notes`, 8 passages at a time, saving after each batch."""
-    import json
-
     from cachegraft_cli.encoding.notes import write_notes
     from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
+    from cachegraft_cli.store.location import Location
 
-    writer = sharer if sharer is not None else load_models_for_notes(config)
+    writer = sharer if sharer is not None else load_sharer(config)
+    folder = Location.from_url(str(file.parent))
     bar = _bar(len(todo), progress, "sharer notes")
     for start in range(0, len(todo), 8):
         batch = todo[start : start + 8]
         texts = [(passages[k].title, passages[k].text) for k in batch]
         notes.update(zip(batch, write_notes(writer, config.instruction or DEFAULT_INSTRUCTION, texts,
                                             config.sharer_notes)))
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"notes": notes}, indent=1))
-        tmp.replace(file)
+        folder.write_json_atomic(file.name, {"notes": notes})
         if bar:
             bar.update(len(batch))
     if bar:
         bar.close()
 
 
-def load_models_for_notes(config):
-    """The sharer alone, for an adapter run's notes (its caches never use the sharer)."""
+def load_sharer(config):
+    """The sharer in its dtype (an adapter run loads it only to write its notes)."""
     from cachegraft_cli.lm.models import load_causal_lm
 
     return load_causal_lm(config.sharer, device=config.device or "cpu",
                           dtype=config.sharer_dtype or config.model_dtype, trust_remote_code=config.trust_remote_code)
+
+
+def bank_root(config):
+    """The folder of the cache bank and the notes (None with --cache-dir none: nothing kept)."""
+    from cachegraft_cli.config import cache_dir
+
+    return None if config.cache_dir == "none" else Path(config.cache_dir or (cache_dir() / "train-caches"))
 
 
 def build_items(config, template, ids, keys, questions, passages):
@@ -245,18 +245,14 @@ def cap_items(items, limit, seed):
 def fill_bank(config, receiver, sharer, template, fuser, ids, keys, progress: bool):
     import time
 
-    from cachegraft_cli.config import cache_dir
+    from cachegraft_cli.encoding.notes import notes_identity
     from cachegraft_cli.fuser.fusion import PassageFusion
     from cachegraft_cli.training.precompute import CacheBank, bank_identity
 
     t0 = time.perf_counter()
     engine = PassageFusion(receiver, template.prefix_ids(), sharer, fuser)
-    root = config.cache_dir or (cache_dir() / "train-caches")
-    from cachegraft_cli.encoding.notes import notes_identity
-
     identity = bank_identity(receiver, sharer, template, config.cache_dtype, notes_identity(config.sharer_notes))
-    bank = CacheBank(identity, config.cache_dtype,
-                     None if config.cache_dir == "none" else root)
+    bank = CacheBank(identity, config.cache_dtype, bank_root(config))
     bar = _bar(len(bank.missing(keys)), progress, "precompute caches")
     computed = bank.fill(engine, {k: ids[k] for k in keys}, batch_size=4,
                          progress=(lambda n, t: bar.update(n)) if bar else None)

@@ -121,21 +121,28 @@ def test_evaluate_answer_batch_gives_the_one_at_a_time_answers(qa_file, tiny_dir
     assert "answer_batch" not in json.loads((tmp_path / "one" / "config.json").read_text())["answerer"]
 
 
-def test_evaluate_mismatched_reads_its_own_control_store_and_is_compared_with_graft(qa_file, tiny_dirs, tiny_models,
-                                                                                    tmp_path, monkeypatch, capsys):
-    from cachegraft_cli.store import CacheStore
-
+def _evaluate_open_fuser(systems: str, qa_file, tiny_dirs, tiny_models, tmp_path, monkeypatch, capsys) -> dict:
+    """`cachegraft evaluate --systems SYSTEMS --json` with an open tiny fuser, k = 1; its summary
+    (answers in tmp_path/run, stores in tmp_path/stores)."""
     fuser = _fuser_dir(tiny_models, tmp_path / "open")
-    out, stores = tmp_path / "run", tmp_path / "stores"
-    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", out, "--stores", stores,
-            "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"], "--fuser", fuser,
-            "--systems", "graft,mismatched", "--k", "1", "--max-new-tokens", "3",
+    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", tmp_path / "run", "--stores",
+            tmp_path / "stores", "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"],
+            "--fuser", fuser, "--systems", systems, "--k", "1", "--max-new-tokens", "3",
             "--dtype", "float32", "--codec", "float32", "--json"]
     monkeypatch.setattr(sys, "argv", list(map(str, args)))
     with pytest.raises(SystemExit) as info:
         main()
     summary = json.loads(capsys.readouterr().out)
     assert (info.value.code or 0) == 0
+    return summary
+
+
+def test_evaluate_mismatched_reads_its_own_control_store_and_is_compared_with_graft(qa_file, tiny_dirs, tiny_models,
+                                                                                    tmp_path, monkeypatch, capsys):
+    from cachegraft_cli.store import CacheStore
+
+    summary = _evaluate_open_fuser("graft,mismatched", qa_file, tiny_dirs, tiny_models, tmp_path, monkeypatch, capsys)
+    out, stores = tmp_path / "run", tmp_path / "stores"
     inputs = sorted(CacheStore.open(str(p)).identity["fuser"].get("sharer_input", "model") for p in stores.iterdir())
     assert inputs == ["mismatched", "model"]  # one store each, the control's recorded as such
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
@@ -147,17 +154,9 @@ def test_evaluate_mismatched_with_notes_builds_only_the_stores_asked_for(qa_file
                                                                           monkeypatch, capsys):
     from cachegraft_cli.store import CacheStore
 
-    fuser = _fuser_dir(tiny_models, tmp_path / "open")
+    _evaluate_open_fuser("graft@notes=3,mismatched@notes=3", qa_file, tiny_dirs, tiny_models, tmp_path, monkeypatch,
+                         capsys)
     out, stores = tmp_path / "run", tmp_path / "stores"
-    args = ["cachegraft", "evaluate", "-B", f"tiny={qa_file}", "--out", out, "--stores", stores,
-            "--receiver", tiny_dirs["receiver"], "--sharer", tiny_dirs["sharer_same"], "--fuser", fuser,
-            "--systems", "graft@notes=3,mismatched@notes=3", "--k", "1", "--max-new-tokens", "3",
-            "--dtype", "float32", "--codec", "float32", "--json"]
-    monkeypatch.setattr(sys, "argv", list(map(str, args)))
-    with pytest.raises(SystemExit) as info:
-        main()
-    capsys.readouterr()
-    assert (info.value.code or 0) == 0
     made = [CacheStore.open(str(p)).identity for p in stores.iterdir()]
     assert sorted(i["fuser"].get("sharer_input", "model") for i in made) == ["mismatched", "model"]
     assert all(i["notes"]["tokens"] == 3 for i in made)  # no store without notes was made
