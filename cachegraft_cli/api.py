@@ -166,7 +166,7 @@ class Store:
         opts = ask_options(options, **settings)
         check_question(question)
         checks.callback("on_text", on_text)
-        self.check(opts.system)
+        self.asker.check_options(opts)  # the system and a blend layer, from the store's metadata
         self.asker.check_fits([question], opts)  # the context window, from metadata: before the models load
         self.warm(opts.system)
         return Answer.from_result(self.asker.ask(question, opts, on_text=on_text))
@@ -184,7 +184,7 @@ class Store:
             check_question(q)
         if not items:
             return []  # nothing to answer: no model needs loading
-        self.check(opts.system)
+        self.asker.check_options(opts)
         self.asker.check_fits(items, opts)
         self.warm(opts.system)
         return [Answer.from_result(r) for r in self.asker.ask_many(items, opts, batch_size)]

@@ -26,14 +26,16 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from cachegraft_cli.checks import unusable_character
 from cachegraft_cli.errors import CorpusError
 
 SKIP_HINT = "Fix the input or pass --skip-bad to skip bad records."
@@ -196,9 +198,31 @@ def _memory_records(reader: CorpusReader) -> Iterator[Any]:
     used = {reader.fields.id, reader.fields.text, reader.fields.title}
     for i, rec in enumerate(reader.records):
         if isinstance(rec, Passage):
-            yield lambda rec=rec: rec
+            yield _passage_item(reader, rec, i)
         else:
             yield _json_list_item(reader, rec, i, used)
+
+
+def _passage_item(reader: CorpusReader, passage: Passage, i: int):
+    """A `Passage` built by the caller, checked as a dict record is (a dataclass checks no types)."""
+    def build() -> Passage:
+        where = f"{reader.source}: [{i}]"
+        text = passage.text
+        if not isinstance(text, str) or not text.strip():
+            detail = "is empty" if isinstance(text, str) else f"is a {type(text).__name__}, not a string"
+            raise _Bad(where, "missing text", f"Passage.text {detail}")
+        if passage.id is None or str(passage.id).strip() == "":
+            raise _Bad(where, "missing id", "Passage.id is empty")
+        pid = _id(passage.id, "id", where)
+        who = f"passage {pid!r}: "
+        _title(passage.title, "title", where, who)
+        _unicode(text, "text", where, who)
+        _check_metadata(passage.metadata, where, who)
+        # as given (the content hash covers the exact title and text), with a number id as its digits
+        return replace(passage, id=passage.id if isinstance(passage.id, str) else pid,
+                       title=passage.title if passage.title is not None else "")
+
+    return build
 
 
 def _detect_format(source: str, override: str | None) -> str:
@@ -236,25 +260,96 @@ def _where(source: str, line: int | None) -> str:
 
 
 def _make_passage(rec: dict, reader: CorpusReader, where: str, line: int | None, used: set[str]) -> Passage:
-    """A passage from one JSON object / CSV row; the other fields become metadata."""
+    """A passage from one JSON object / CSV row; the other fields become metadata. Everything is
+    checked here, while the corpus is read before any model loads: a value the store cannot
+    write (a list title, a NaN, a set) would otherwise fail, or be mangled, after the models load."""
     f = reader.fields
     text = rec.get(f.text)
     if text is None or (isinstance(text, str) and not text.strip()):
         raise _Bad(where, "missing text", f"field {f.text!r} is absent or empty")
     if not isinstance(text, str):
         raise _Bad(where, "missing text", f"field {f.text!r} is a {type(text).__name__}, not a string")
-    title = rec.get(f.title)
-    title = "" if title is None else str(title).strip()
-    text = text.strip()
     pid = rec.get(f.id)
+    who = f"passage {pid!r}: " if isinstance(pid, (str, int, float)) and not isinstance(pid, bool) else ""
+    title = _title(rec.get(f.title), f.title, where, who)
+    text = _unicode(text.strip(), f.text, where, who)
     if pid is None or str(pid).strip() == "":
         if f.id_required:
             raise _Bad(where, "missing id", f"field {f.id!r} is absent or empty")
         pid = content_id(title, text)
-    if "\0" in str(pid):
-        raise _Bad(where, "bad id", f"field {f.id!r} contains a NUL character")
+    pid = _id(pid, f.id, where)
     meta = {k: v for k, v in rec.items() if k not in used}
-    return Passage(str(pid).strip(), title, text, meta, reader.source, line)
+    _check_metadata(meta, where, f"passage {pid!r}: ")
+    return Passage(pid, title, text, meta, reader.source, line)
+
+
+def _title(title: Any, name: str, where: str, who: str) -> str:
+    """A title is a string (or absent): a list or number would be stored as its repr."""
+    if title is None:
+        return ""
+    if not isinstance(title, str):
+        raise _Bad(where, "bad title", f"{who}field {name!r} is a {type(title).__name__}, not a string")
+    return _unicode(title.strip(), name, where, who)
+
+
+def _id(pid: Any, name: str, where: str) -> str:
+    """An id is a string or a number (stored as its digits); a list, an object or a bool would be
+    stored as its repr. No NUL (the store separates ids with it) and nothing that is not UTF-8."""
+    finite = not isinstance(pid, float) or math.isfinite(pid)
+    if isinstance(pid, bool) or not isinstance(pid, (str, int, float)) or not finite:
+        shown = repr(pid) if len(repr(pid)) <= 40 else repr(pid)[:37] + "..."
+        raise _Bad(where, "bad id", f"field {name!r} is {shown} ({type(pid).__name__}), not a string or a number")
+    pid = str(pid).strip()
+    problem = unusable_character(pid)
+    if problem:
+        raise _Bad(where, "bad id", f"field {name!r} holds {problem}")
+    return pid
+
+
+def _unicode(value: str, name: str, where: str, who: str = "") -> str:
+    """`value`, unless it holds what no UTF-8 store can (a lone surrogate from a JSON escape such
+    as "\\ud800", or from text decoded with 'surrogateescape')."""
+    problem = unusable_character(value.replace("\0", " "))  # a NUL is fine in text, only not in ids
+    if problem:
+        raise _Bad(where, "not UTF-8", f"{who}field {name!r} holds {problem}")
+    return value
+
+
+_MAX_DEPTH = 32  # nesting deeper than this is a mistake (or a cycle), not metadata
+
+
+def _check_metadata(meta: Any, where: str, who: str = "") -> None:
+    """Metadata is stored as JSON: strings (UTF-8), finite numbers, booleans, null, lists and
+    objects with string keys. The first value that is not is refused, by its key path."""
+    problem = _json_problem(meta, "", 0) if isinstance(meta, dict) else \
+        f"the metadata is a {type(meta).__name__}, not a dict"
+    if problem:
+        raise _Bad(where, "bad metadata", f"{who}{problem}; metadata must be plain JSON")
+
+
+def _json_problem(value: Any, path: str, depth: int) -> str | None:
+    shown = f"field {path!r}" if path else "the metadata"
+    if value is None or isinstance(value, (bool, int)):
+        return None
+    if isinstance(value, str):
+        problem = unusable_character(value.replace("\0", " "))
+        return f"{shown} holds {problem}" if problem else None
+    if isinstance(value, float):  # json would write a bare NaN or Infinity, which is not JSON
+        return None if math.isfinite(value) else f"{shown} is {value!r}, not a finite number"
+    if depth >= _MAX_DEPTH:  # a cycle (a list holding itself) or absurd nesting: name the top field
+        return f"field {path.split('[')[0].split('.')[0]!r} is nested more than {_MAX_DEPTH} levels deep"
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+        return next(filter(None, (_json_problem(v, f"{path}[{i}]", depth + 1) for i, v in items)), None)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{shown} has a key {key!r} of type {type(key).__name__}, not a string"
+            problem = _json_problem(item, f"{path}.{key}" if path else key, depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"{shown} is of type {type(value).__name__}, which JSON cannot hold"
 
 
 def _decode(raw: bytes, where: str) -> str:
@@ -433,7 +528,10 @@ def _squad_item(reader: CorpusReader, title: str, pid: str, para: Any, pos: tupl
             raise _Bad(where, "missing text", "no \"context\"")
         qa_ids = [qa.get("id") for qa in para.get("qas", []) if isinstance(qa, dict)]
         meta = {"article": pos[0], "paragraph": pos[1], "qa_ids": qa_ids}
-        return Passage(pid, title, context.strip(), meta, reader.source, None)
+        who = f"passage {pid!r}: "
+        _unicode(title, "title", where, who)
+        _check_metadata(meta, where, who)
+        return Passage(pid, title, _unicode(context.strip(), "context", where, who), meta, reader.source, None)
 
     return build
 

@@ -72,6 +72,11 @@ class StoreCorruptError(StoreError):
     exit_code = 7
 
 
+class StoreMetadataError(StoreCorruptError):
+    """The store's metadata contradicts itself (root zarr.json, row tables, commit records, array
+    metadata): intact bytes would decode as something else. Reported, never turned into dropped rows."""
+
+
 class CorpusError(CacheGraftError):
     """Bad corpus input: names file and line."""
 

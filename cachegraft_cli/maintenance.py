@@ -17,6 +17,9 @@ def verify_store(url: str, progress=None) -> dict:
     store = CacheStore.open(url, partial=True)  # a listed segment that does not read is one of the problems
     report = store.verify(progress)
     _name_lost_passages(store, url, report["problems"])
+    from cachegraft_cli.lm.controlcheck import add_control_token_problems
+
+    add_control_token_problems(store, report)  # passages cached with control tokens parsed from their text
     problem = index_problem(store, url)
     if problem:
         report["problems"].append({"segment": None, "passage": None, "row": None, "kind": None, "part": None,
@@ -79,7 +82,7 @@ def repair_store(url: str, reencode: bool = False) -> dict:
 
     with lock_store(url, {"tool": "cachegraft store repair"}) as lock:
         lost = _lost_before_repair(url)
-        report = repair(url, lock=lock)
+        report = repair(url, lock=lock, drop=_control_token_rows(url) if reencode else None)
         result = {**report.as_dict(), "lines": describe(report), "reencoded": [], "not_reencoded": {}}
         for seg in report.unreadable:  # their row tables are gone: the index names what they held
             result["unchecked"] += [{"passage": pid, "segment": seg, "reason": "its row table does not read"}
@@ -100,10 +103,26 @@ def repair_store(url: str, reencode: bool = False) -> dict:
             result["ok"], result["problems_left"] = after["ok"], after["problems"]
         if reencode and report.dropped and not report.dropped_rows:
             result["lines"].append("the dropped passages' text is unreadable: encode them again from the corpus")
-    result["index"] = _rebuild_index(url)
+    repair_id = report.quarantine.rstrip("/").rsplit("/", 1)[-1] if report.quarantine else None
+    result["index"] = _rebuild_index(url, keep_for=repair_id)
     if result["index"]:
         result["lines"].append(result["index"])
     return result
+
+
+def _control_token_rows(url: str) -> list[dict]:
+    """Passages cached with control tokens parsed from their text (`lm.controlcheck`), to drop and
+    encode again as plain text: {passage, segment, reason}."""
+    from cachegraft_cli.lm.controlcheck import control_token_rows
+    from cachegraft_cli.store import CacheStore
+
+    try:
+        store = CacheStore.open(url, partial=True)
+    except CacheGraftError:  # a lost manifest: the rebuild comes first, the next --reencode finds them
+        return []
+    return [{"passage": r["passage"], "segment": r["segment"],
+             "reason": f"cached with control tokens parsed from its text ({', '.join(r['tokens'])})"}
+            for r in control_token_rows(store) if "note" not in r]
 
 
 def _lost_before_repair(url: str) -> list[str]:
@@ -120,7 +139,7 @@ def _lost_before_repair(url: str) -> list[str]:
 def undo_repair(url: str, repair_id: str) -> list[str]:
     """Undo one `store repair` (its quarantine id), then rebuild the index if it no longer serves."""
     from cachegraft_cli.store.lock import lock_store
-    from cachegraft_cli.store.repair import undo
+    from cachegraft_cli.store.quarantine import undo
 
     with lock_store(url, {"tool": "cachegraft store repair --undo"}) as lock:
         lines = undo(url, repair_id, lock=lock)
@@ -142,8 +161,9 @@ def _reencode(url: str, rows: list, lock):
     return reencode_rows(url, rows, ModelSession(stored_choice(store.identity).check()), options, lock)
 
 
-def _rebuild_index(url: str) -> str | None:
-    """Rebuild the index when it no longer serves the store (repair dropped passages it holds)."""
+def _rebuild_index(url: str, keep_for: str | None = None) -> str | None:
+    """Rebuild the index when it no longer serves the store (repair dropped passages it holds);
+    `keep_for`: the repair whose quarantine keeps the index as it was, for its undo."""
     from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import CacheStore
 
@@ -156,6 +176,10 @@ def _rebuild_index(url: str) -> str | None:
     if not len(store):
         return "the store is empty now: no index was built"
     kind, embedder = _index_kind(url)
+    if keep_for:
+        from cachegraft_cli.store.quarantine import save_index
+
+        save_index(store.loc, keep_for)
     try:
         summary = build_store_index(url, kind, embedder, rebuild=True)
     except CacheGraftError as exc:

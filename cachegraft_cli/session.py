@@ -262,13 +262,35 @@ def check_preset(store, preset: str) -> None:
     pairs = [("receiver", have.receiver, wanted.receiver), ("fuser", have.fuser, wanted.fuser)]
     if have.sharer is not None:
         pairs.append(("sharer", have.sharer, wanted.sharer))
-    differ = [(role, a, b) for role, a, b in pairs if a != b]
+    _refuse_other_models(store, pairs, lambda role, b: f"--preset {preset} names {role} {b}",
+                         lambda role: "Leave out --preset to append with the store's own models, or encode into a "
+                                      "new --store.")
+
+
+def _refuse_other_models(store, pairs: list, named, hint) -> None:
+    """StoreMismatchError for the first (role, stored, named) whose two names differ; `named(role,
+    name)` says who named the other one, `hint(role)` what to do."""
+    differ = next(((role, a, b) for role, a, b in pairs if a != b), None)
     if differ:
-        role, a, b = differ[0]
-        raise StoreMismatchError(
-            f"Store {store.loc.url} was encoded with {role} {a}, but --preset {preset} names {role} {b}.",
-            "Leave out --preset to append with the store's own models, or encode into a new --store.",
-        )
+        role, a, b = differ
+        raise StoreMismatchError(f"Store {store.loc.url} was encoded with {role} {a}, but {named(role, b)}.",
+                                 hint(role))
+
+
+def check_named_models(store, choice: ModelChoice) -> None:
+    """Refuse, before any model loads, an append whose --receiver, --fuser or (where the store ran
+    one) --sharer names other models than the store records. The store's identity holds each by
+    the name it was given (a local path made absolute, as `choice`'s), and the identity check after
+    loading refuses any other name anyway: loading first only cost the load, or a hub's retries."""
+    have = stored_choice(store.identity)
+    fuser = "closed" if choice.fuser in (None, "", "none") else choice.fuser  # `load_fuser`'s spellings of none
+    pairs: list[tuple[str, str | None, str | None]] = [("receiver", have.receiver, choice.receiver),
+                                                       ("fuser", have.fuser, fuser)]
+    if have.sharer is not None:
+        pairs.append(("sharer", have.sharer, choice.sharer))
+    _refuse_other_models(store, pairs, lambda role, b: f"--{role} names {b}",
+                         lambda role: f"Leave out --{role} to append with the store's own models (see `cachegraft "
+                                      f"store info {store.loc.url}`), or encode into a new --store.")
 
 
 def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:

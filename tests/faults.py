@@ -9,12 +9,12 @@ interpreter. Each child is a separate process, killed with a real SIGKILL.
 
 Faults a child can be given:
 - `kill_at`: SIGKILL itself just before its N-th write step (a store or index
-  file written, a rename, a hard link);
+  file written, moved or removed, a rename, a hard link);
 - `kill_before` / `stall_before`: SIGKILL itself (or print `STALLED` and sleep,
   for the parent to kill it) just before one named step, `"OP:GLOB[#N]"`: the
   N-th (default first) call of OP on a path matching GLOB, OP one of
-  `write_json` (`Location.write_json_atomic`), `write_bytes`, `remove` (store
-  paths) or `replace` (`os.replace`, its destination);
+  `write_json` (`Location.write_json_atomic`), `write_bytes`, `remove`, `move`
+  (store paths; `move` its source) or `replace` (`os.replace`, its destination);
 - `disk_budget`: writes under `disk_root` fail with ENOSPC once this many
   bytes have been written there (a full disk);
 - `read_only`: writes under `disk_root` fail with EROFS.
@@ -213,7 +213,7 @@ def _before_step(spec: str, action) -> None:
     op, _, rest = spec.partition(":")
     pattern, _, nth = rest.partition("#")
     owner, name = {"write_json": (Location, "write_json_atomic"), "write_bytes": (Location, "write_bytes"),
-                   "remove": (Location, "remove"), "replace": (os, "replace")}[op]
+                   "remove": (Location, "remove"), "move": (Location, "move"), "replace": (os, "replace")}[op]
     real, seen = getattr(owner, name), [0]
 
     def check(path) -> None:
@@ -237,10 +237,10 @@ def _before_step(spec: str, action) -> None:
 
 
 def _count_write_steps() -> None:
-    """Every store or index write passes one of these: a file written whole, a rename, a link."""
+    """Every store or index write passes one of these: a file written whole, moved or removed, a rename, a link."""
     from cachegraft_cli.store.location import Location
 
-    for name in ("write_bytes", "write_bytes_atomic"):
+    for name in ("write_bytes", "write_bytes_atomic", "move", "remove"):
         real = getattr(Location, name)
 
         def counted(self, *a, _real=real, **k):

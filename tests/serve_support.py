@@ -28,27 +28,29 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving `build_app` in a thread. `start_worker=False` leaves the engine's worker
+    """uvicorn serving `build_app` in a thread, set up as `cachegraft serve` sets it up (read
+    deadlines, bounded drain: `timeouts`). `start_worker=False` leaves the engine's worker
     stopped, so requests stay queued (deterministic queue and disconnect tests) until `.engine.start()`."""
 
-    def __init__(self, stores: dict[str, str], api_key: str | None = None, start_worker: bool = True, **settings):
-        import uvicorn
-
+    def __init__(self, stores: dict[str, str], api_key: str | None = None, start_worker: bool = True,
+                 timeouts=None, **settings):
         from cachegraft_cli.answering.options import AskOptions
         from cachegraft_cli.lm.sampling import GenerationConfig
         from cachegraft_cli.serving.engine import Engine, EngineSettings
         from cachegraft_cli.serving.http import AppConfig, build_app
         from cachegraft_cli.serving.requests import Limits
-        from cachegraft_cli.serving.run import bind
+        from cachegraft_cli.serving.run import Timeouts, bind, uvicorn_server
 
         limits = {k: settings.pop(k) for k in ("max_k", "max_new_tokens", "max_body") if k in settings}
         defaults = AskOptions(k=2, generation=GenerationConfig(max_new_tokens=8))
+        timeouts = timeouts or Timeouts()
         self.engine = Engine(stores, settings=EngineSettings(**settings), log=lambda m: None)
         self.engine.open("graft")
         self.sock = bind("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = build_app(self.engine, AppConfig(defaults, Limits(**limits), api_key))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_app(self.engine, AppConfig(defaults, Limits(**limits), api_key, body_timeout=timeouts.body))
+        self.server = uvicorn_server(app, timeouts)
         if start_worker:
             self.engine.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -89,3 +91,41 @@ def ask_json(capsys, monkeypatch, store: str, question: str, *args) -> dict:
     code, out, err = run_cli(capsys, monkeypatch, "ask", question, "--store", store, "--json", *args)
     assert code == 0, err
     return json.loads(out)
+
+
+def raw_request(port: int, data: bytes, limit: float = 10.0, then=None) -> bytes:
+    """Send `data` on a fresh connection to 127.0.0.1:`port` (nothing more; `then(sock)` may
+    write more) and read until the server closes it, within `limit` seconds: what a client that
+    stops sending sees. A server that holds the connection past `limit` fails the test."""
+    with socket.create_connection(("127.0.0.1", port), timeout=limit) as sock:
+        sock.sendall(data)
+        if then is not None:
+            then(sock)
+        return read_to_close(sock, limit)
+
+
+def read_to_close(sock: socket.socket, limit: float) -> bytes:
+    deadline, out = time.monotonic() + limit, b""
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            raise AssertionError(f"the server held the connection open past {limit} s (got {out[:200]!r})") from None
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def parse_reply(raw: bytes) -> tuple[int, dict, bytes]:
+    """(status, headers in lower case, body) of one HTTP/1.1 response with a Content-Length
+    (a chunked body, a stream's, is returned as sent)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if "content-length" in headers:
+        body = body[: int(headers["content-length"])]
+    return status, headers, body

@@ -85,6 +85,17 @@ class Asker:
 
         check_system(self.store, system)
 
+    def check_options(self, options: AskOptions) -> None:
+        """Refuse options this store cannot be asked with, from its metadata alone (no model loads):
+        the options themselves, the system (`check_system`) and, for a blend over stored caches,
+        a `blend_layer` the receiver has (the store's geometry counts its layers)."""
+        from cachegraft_cli.answering.assembly import check_blend_layer
+
+        options.check()
+        self.check_system(options.system)
+        if options.system in CACHE_KIND:
+            check_blend_layer(options.assembly, self.store.identity["geometry"]["layers"])
+
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None,
             cancelled: Callable[[], bool] | None = None) -> dict:
         """One question; `on_text` hears the answer as it is decoded, `cancelled()` true stops it early."""
@@ -96,8 +107,7 @@ class Asker:
 
     def prepare(self, question: str, options: AskOptions) -> "Prepared":
         """Everything before decoding: checks, retrieval, the caches loaded into a prompt."""
-        options.check()
-        self.check_system(options.system)
+        self.check_options(options)
         check_question(question)
         t0 = time.perf_counter()
         hits = self.retrieve(question, options.k) if options.system != "closed" else []
@@ -123,7 +133,7 @@ class Asker:
         if spec is None or window is None:  # no sharer named: `sharer-text` says so when it loads
             return
         closed = options.system == "closed"
-        hit_lists = [[] for _ in questions] if closed else self.index.search_many(questions, options.k)
+        hit_lists = [[] for _ in questions] if closed else self.index.search_many(questions, self.search_k(options.k))
         new_tokens = options.generation.max_new_tokens
         if options.system != "sharer-text":  # the store's rows count the receiver's tokens only
             for hits in hit_lists:
@@ -163,8 +173,14 @@ class Asker:
         shared = options.scheme == "shared" and lengths
         return len(self.store.prefix_token_ids) + (max(lengths) if shared else sum(lengths)) + question_tokens
 
+    def search_k(self, k: int) -> int:
+        """How many hits to ask the index for: `k`, but never more than the store holds. A search
+        engine sizes its buffers by k before it looks (tantivy aborts the process on -k 2147483647),
+        and no store has more distinct passages to return."""
+        return max(1, min(k, len(self.store)))
+
     def retrieve(self, question: str, k: int):
-        hits = self.index.search(question, k)
+        hits = self.index.search(question, self.search_k(k))
         if not hits:
             raise NoPassagesError(
                 f"No passage matched the question {question!r}.",
@@ -196,8 +212,7 @@ class Asker:
         prefill and decode) is under `batch`, the same for every question of it."""
         from cachegraft_cli.lm.generation import generate_batch
 
-        options.check()
-        self.check_system(options.system)
+        self.check_options(options)
         results = []
         for i in range(0, len(questions), batch_size):
             chunk = questions[i : i + batch_size]
@@ -225,7 +240,7 @@ class Asker:
     def _retrieve_many(self, questions: list[str], options: AskOptions):
         if options.system == "closed":
             return [[] for _ in questions]
-        hit_lists = self.index.search_many(questions, options.k)
+        hit_lists = self.index.search_many(questions, self.search_k(options.k))
         for q, hits in zip(questions, hit_lists):
             if not hits:
                 self.retrieve(q, options.k)  # raises the no-passage error for this question

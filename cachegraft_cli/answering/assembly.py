@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from cachegraft_cli.checks import number, one_of, whole
+from cachegraft_cli.errors import UsageError
 
 if TYPE_CHECKING:  # torch is imported where it is used: `cachegraft --help` reads the defaults here
     import torch
@@ -71,6 +72,16 @@ class AssemblyOptions:
             "blend": self.blend,
             "blend_layer": self.blend_layer,
         }
+
+
+def check_blend_layer(options: AssemblyOptions, layers: int) -> None:
+    """A `blend` > 0 compares KV at `blend_layer`, a layer of the receiver (`layers` of them, from
+    the store's geometry before any model loads). A layer past the last is refused, not clamped:
+    a clamped run would report a setting it did not use."""
+    if options.blend > 0 and not options.blend_layer < layers:
+        raise UsageError(f"blend_layer (--blend-layer) must be from 0 to {layers - 1}: the receiver has {layers} "
+                         f"layers; got {options.blend_layer}.",
+                         f"Pass --blend-layer from 0 to {layers - 1}.")
 
 
 def in_prompt_order(items: Sequence, order: str) -> list:
@@ -255,7 +266,8 @@ class Assembler:
 
         r = self.receiver
         total = layout.past_tokens
-        layer = min(options.blend_layer, len(past) - 1)
+        check_blend_layer(options, len(past))  # asked before loading too (`Asker.check_options`)
+        layer = options.blend_layer
         ids = torch.tensor([[_token_at(layout, passage_ids, s) for s in later]], device=r.device)
         positions = torch.tensor([[layout.position(s) for s in later]], device=r.device)
         mask = additive_mask(visibility(total, later, later), r.dtype).to(r.device)

@@ -10,13 +10,16 @@ import json
 import sys
 from typing import IO
 
+from cachegraft_cli.checks import location, unusable_character
 from cachegraft_cli.errors import UsageError
 
+_UTF8_HINT = "Write the file as UTF-8 text, without \\ud800-\\udfff escapes that do not pair up."
 _HINT = 'Each line must be a JSON object like {"id": "q1", "question": "..."}.'
 
 
 def read_questions(source: str, stdin: IO | None = None) -> list[tuple[str | int, str]]:
     """(id, question) per non-blank line; `-` reads stdin. The id defaults to the line number."""
+    location("questions file (--questions)", source)  # a NUL in the path: a UsageError, not open()'s ValueError
     if source == "-":
         stream = stdin if stdin is not None else sys.stdin
         return parse_questions(getattr(stream, "buffer", stream).read(), "<stdin>")
@@ -68,6 +71,12 @@ def _item(line: str, where: str, n: int) -> tuple[str | int, str]:
     qid = item.get("id", n)
     if not isinstance(qid, (str, int)) or isinstance(qid, bool):
         raise UsageError(f"{where}:{n}: \"id\" must be a string or a whole number, not a {_kind(qid)}.", _HINT)
+    for field, value in (("question", question), ("id", qid)):
+        # a JSON escape such as "\ud800" (or stdin read with surrogateescape) parses to text that no
+        # tokenizer or JSON output can take: refused here, naming the line, before any model loads
+        problem = unusable_character(value) if isinstance(value, str) else None
+        if problem:
+            raise UsageError(f"{where}:{n}: the {field} holds {problem}.", _UTF8_HINT)
     return qid, question
 
 

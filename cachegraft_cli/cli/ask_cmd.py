@@ -46,7 +46,7 @@ def ask(
         int, typer.Option("--batch-size", "-b", help="Batch mode: questions decoded together (1 to 4096).")
     ] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens (at least 1).")] = 48,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; otherwise at least 0.001.")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; otherwise from 0.001 to 1000.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     show_passages: Annotated[bool, typer.Option(help="Print the retrieved sources after the answer.")] = False,
     sharer: SharerOpt = None,
@@ -92,7 +92,7 @@ def ask(
 
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
-    graft.check(system)
+    graft.asker.check_options(options)  # the system and a blend layer, from the store's metadata
     _note_closed_fuser(graft, system)
     _note_coverage(graft, system, store)
     graft.asker.check_fits([q for _, q in items] if question is None else [question], options)

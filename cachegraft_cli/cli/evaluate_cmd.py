@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
+from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE, AssemblyOptions
 from cachegraft_cli.cli.options import (
     BlendLayerOpt,
     BlendOpt,
@@ -94,7 +94,6 @@ def evaluate(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
-    from cachegraft_cli.answering.assembly import AssemblyOptions
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.config import preset_adapter
     from cachegraft_cli.encoding.plan import EncodeOptions
@@ -110,6 +109,7 @@ def evaluate(
     EncodeOptions(codec, keep=keep, keep_by=keep_by)
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    _check_blend_layers(choice.receiver, AssemblyOptions(order, scheme, recompute, blend, blend_layer), system_list)
     if adapter_fuser is None and any(base_system(s) == "adapter" for s in system_list):
         adapter_fuser = preset_adapter(preset, fuser)  # a preset knows its own control
     check_fuser_spec(adapter_fuser)
@@ -154,6 +154,26 @@ def evaluate(
     for line in summary["headlines"].values():
         typer.echo(line)
     typer.echo(f"report: {out / 'report.md'}")
+
+
+def _check_blend_layers(receiver: str, run: AssemblyOptions, systems: list[str]) -> None:
+    """The run's --blend-layer and each system's `@blend_layer=` against the receiver's layers, from
+    its config.json before any model loads (answering refuses a layer past the last: found only
+    then, it would stop the run after its stores were encoded). Skipped where no config is readable."""
+    from dataclasses import replace
+
+    from cachegraft_cli.answering.assembly import check_blend_layer
+    from cachegraft_cli.answering.systems import CACHE_KIND
+    from cachegraft_cli.evaluation.variants import parse_variant
+    from cachegraft_cli.lm.models import configured_count
+
+    layers = configured_count(receiver, "num_hidden_layers")
+    if layers is None:
+        return
+    for label in systems:
+        variant = parse_variant(label)
+        if variant.system in CACHE_KIND:  # the systems that blend stored caches
+            check_blend_layer(replace(run, **variant.assembly), layers)
 
 
 def _ints(text: str) -> list[int]:

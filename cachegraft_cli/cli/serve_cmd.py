@@ -50,6 +50,12 @@ def serve(
     max_body: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes.")] = 1 << 20,
     watch: Annotated[float, typer.Option(min=0.0, help="Seconds between checks for appends and new indexes "
                                                        "(0: only POST /v1/reload).")] = 2.0,
+    header_timeout: Annotated[float, typer.Option(min=0.001, help="Seconds a request's line and headers may take "
+                                                                  "to arrive; then 408 and close.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(min=0.001, help="Seconds a request's body may take to arrive "
+                                                                "after its headers; then 408 and close.")] = 30.0,
+    shutdown_timeout: Annotated[int, typer.Option(min=0, help="Seconds SIGTERM waits for the requests in flight; "
+                                                              "then those still running are cut off.")] = 30,
     sharer: SharerOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -64,20 +70,22 @@ def serve(
     from cachegraft_cli.lm.sampling import GenerationConfig
     from cachegraft_cli.serving.engine import EngineSettings
     from cachegraft_cli.serving.requests import Limits
-    from cachegraft_cli.serving.run import ServeConfig, parse_stores, serve as run_server
+    from cachegraft_cli.serving.run import ServeConfig, Timeouts, check_api_key, parse_stores, serve as run_server
 
     check_index_kind(index_kind)
     defaults = AskOptions(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
                           blend_layer=blend_layer,
                           generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature))
-    config = ServeConfig(parse_stores(store), host, port, api_key or None, defaults,
+    config = ServeConfig(parse_stores(store), host, port, check_api_key(api_key), defaults,
                          Limits(max_k=max_k, max_new_tokens=max_tokens, max_body=max_body),
                          EngineSettings(max_queue=max_queue, max_batch=max_batch, gather_seconds=batch_wait / 1000,
                                         watch_seconds=watch),
+                         Timeouts(headers=header_timeout, body=body_timeout, shutdown=shutdown_timeout),
                          sharer, device, dtype, index_kind, trust_remote_code)
     with showing_status(False):
-        run_server(config, log, _announce)
-    log("stopped: every request in flight was answered.")
+        drained = run_server(config, log, _announce)
+    log("stopped: every request in flight was answered." if drained else
+        f"stopped: requests still running {shutdown_timeout} s after the signal were cut off (--shutdown-timeout).")
 
 
 def _announce(info: dict) -> None:

@@ -136,11 +136,19 @@ def verify(
         log(f"checked {report['rows']:,} rows, {report['tokens']:,} tokens in {report['segments']} segments")
         for p in report["problems"]:
             log(f"  {_where(p)}: {p['problem']}")
+        for note in report.get("notes", []):
+            log(f"  note: {note}")
     if not report["ok"] and fix:
         _repair(store, reencode, json)
         return
     if not report["ok"]:
         first = report["problems"][0]
+        if all(p["code"] == "control_tokens" for p in report["problems"]):
+            raise StoreCorruptError(
+                f"{len(report['problems'])} passage(s) of {report['url']} were cached with control tokens parsed "
+                f"from their text; first: {_where(first)}.",
+                hint=f"Run `cachegraft store repair {store} --reencode`: it encodes them again with their text read "
+                     "as plain text (what it takes out is kept in the quarantine, and it can be undone).")
         raise StoreCorruptError(
             f"{len(report['problems'])} problem(s) in {report['url']}; first: {_where(first)}: "
             f"{first['problem'].rstrip('.')}.",

@@ -197,7 +197,10 @@ def _chunks(passage: Passage, text: str, template, budget: int) -> list[Chunk]:
 
 
 def _spans(text: str, tokenizer, budget: int) -> list[tuple[int, int]]:
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    from cachegraft_cli.lm.plaintext import plain_encoding
+
+    # the tokens `passage_ids` reads the text as (plain: a control string is several tokens there)
+    offsets = plain_encoding(tokenizer, text).offsets
     spans, first = [], 0
     while first < len(offsets):
         last = min(first + budget, len(offsets)) - 1

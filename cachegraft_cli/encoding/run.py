@@ -36,15 +36,19 @@ def encode_into(
     encoded, once the plan under the lock knows it."""
     from dataclasses import replace
 
-    from cachegraft_cli.session import choice_for_encode
+    from cachegraft_cli.session import check_named_models, choice_for_encode
     from cachegraft_cli.store.target import Target
 
     options = options or EncodeOptions()
     target = Target.open(store_url)  # a file, a foreign directory, a lost manifest: first, and only once
+    check_not_foreign(target)
     target.check(options.codec, options.kinds, compressor=options.compressor, mismatched=options.mismatched_sharer,
                  notes=options.sharer_notes)
     choice = choice_for_encode(target.store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
-                               trust_remote_code=trust_remote_code or None, instruction=instruction).check()
+                               trust_remote_code=trust_remote_code or None, instruction=instruction)
+    if target.store is not None:
+        check_named_models(target.store, choice)  # by name, before any model (or the hub) is looked up
+    choice.check()
     if ray is not None and (options.mismatched_sharer or target.mismatched or options.sharer_notes or target.notes):
         from cachegraft_cli.errors import UsageError
 
@@ -57,3 +61,24 @@ def encode_into(
     codec = options.codec or target.codec or DEFAULT_CODEC
     return encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
                          planned=planned)
+
+
+def check_not_foreign(target) -> None:
+    """A target with no store yet must hold nothing, or what a killed creation left (made again).
+    A zarr.json without cachegraft's metadata beside segments (attributes lost, or another tool's
+    zarr group) is refused now: `Target.open` takes it for "no store yet", and the refusal would
+    otherwise come when the store is created, after the default models were looked up on the hub."""
+    from cachegraft_cli.errors import StoreError, StoreNotFoundError
+    from cachegraft_cli.store.layout import ROOT_META
+    from cachegraft_cli.store.store import half_created, read_meta
+
+    if target.store is not None or not target.loc.exists(ROOT_META) or half_created(target.loc):
+        return
+    try:
+        read_meta(target.loc)  # another writer may have created the store since: `Target.locked` opens it
+    except StoreNotFoundError:
+        raise StoreError(
+            f"{target.name} is not a cache store: its {ROOT_META} holds no cachegraft metadata (lost, or another "
+            "tool's zarr group), so nothing can be appended to it.",
+            "Encode into a new or empty --store; if this was a cache store, restore its zarr.json from a backup.",
+        ) from None

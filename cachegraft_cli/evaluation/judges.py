@@ -18,6 +18,7 @@ from typing import Protocol
 from cachegraft_cli.errors import ModelLoadError
 
 MAX_ANSWER_CHARS = 1000
+_SLOT = "\x00CG_JUDGE_PROMPT\x00"  # marks where the prompt goes in the rendered chat template
 YES_WORDS = (" yes", "yes", " Yes", "Yes")
 NO_WORDS = (" no", "no", " No", "No")
 A_WORDS = (" A", "A")
@@ -123,18 +124,28 @@ class LMJudge:
 
     def label_probabilities(self, prompts: Sequence[str], pos: list[int], neg: list[int]) -> list[float]:
         """P(pos) / (P(pos) + P(neg)) for the next token after each prompt."""
-        texts = [self._render(p) for p in prompts]
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out = [0.0] * len(texts)
+        ids = [self.prompt_ids(p) for p in prompts]
+        # by length of the rendered prompt, as the template adds the same text to every prompt
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out = [0.0] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
-            for i, p in zip(batch, self._score_batch([texts[i] for i in batch], pos, neg)):
+            for i, p in zip(batch, self._score_batch([ids[i] for i in batch], pos, neg)):
                 out[i] = p
         return out
 
-    def _render(self, prompt: str) -> str:
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The judge prompt as token ids. The question, gold and candidate answers in it are user
+        and model text: no control token comes from them (an answer holding "<|im_end|>" cannot
+        end the judge's turn and write its verdict); the chat template's own stay."""
+        from cachegraft_cli.lm.plaintext import mixed_ids, plain_prompt_ids
+
         if not getattr(self.tokenizer, "chat_template", None):
-            return prompt
+            return plain_prompt_ids(self.tokenizer, prompt)
+        head, tail = self._render(_SLOT).split(_SLOT)
+        return mixed_ids(self.tokenizer, [(head, False), (prompt, True), (tail, False)])
+
+    def _render(self, prompt: str) -> str:
         messages = [{"role": "user", "content": prompt}]
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -142,20 +153,19 @@ class LMJudge:
         except TypeError:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def _score_batch(self, texts: list[str], pos: list[int], neg: list[int]) -> list[float]:
+    def _score_batch(self, batch: list[list[int]], pos: list[int], neg: list[int]) -> list[float]:
         import torch
 
-        probs = self._next_token_probs(texts)
+        probs = self._next_token_probs(batch)
         p_pos, p_neg = probs[:, pos].sum(-1), probs[:, neg].sum(-1)
         total = torch.clamp(p_pos + p_neg, min=1e-30)
         return [float(x) for x in (p_pos / total).clamp(0.0, 1.0)]
 
-    def _next_token_probs(self, texts: list[str]):
+    def _next_token_probs(self, batch: list[list[int]]):
         import torch
 
-        templated = bool(getattr(self.tokenizer, "chat_template", None))
         self.tokenizer.padding_side = "left"
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+        enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
         device = next(self.model.parameters()).device
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # left pads must not shift positions

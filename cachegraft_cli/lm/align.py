@@ -1,7 +1,8 @@
 """Cross-tokenizer alignment: one sharer token per receiver token.
 
 The receiver's tokens define the positions. Each receiver token is decoded to
-text and re-encoded with the sharer tokenizer (no special tokens): zero pieces
+text and re-encoded with the sharer tokenizer (no special tokens; a text token as
+plain text, so it cannot become a sharer control token): zero pieces
 map to the sharer's unk (or 0), one piece to itself, several to the first
 (`first`) or the one with the longest text (`longest`). Special tokens map by
 role (bos/eos/pad/unk). Pairs with the same vocabulary need no alignment.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from cachegraft_cli.errors import AlignmentError
+from cachegraft_cli.lm.plaintext import control_ids, plain_ids
 
 STRATEGIES = ("first", "longest")
 _ROLES = ("bos", "eos", "pad", "unk")
@@ -57,10 +59,18 @@ class TokenAligner:
         if rid in self._special:
             return self._special[rid]
         text = self.receiver_tok.decode([rid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        pieces = self.sharer_tok(text, add_special_tokens=False)["input_ids"] if text else []
+        pieces = self._sharer_pieces(rid, text) if text else []
         if not pieces:
             unk = self.sharer_tok.unk_token_id
             return unk if unk is not None else 0
         if len(pieces) == 1 or self.strategy == "first":
             return pieces[0]
         return max(pieces, key=lambda p: len(self.sharer_tok.decode([p], clean_up_tokenization_spaces=False)))
+
+    def _sharer_pieces(self, rid: int, text: str) -> list[int]:
+        """A receiver control token (the template's: passages never hold one) is the sharer's
+        control token of that name where it has one; a text token is text to the sharer too,
+        so it never becomes a sharer control token (`lm.plaintext`)."""
+        if rid in control_ids(self.receiver_tok):
+            return list(self.sharer_tok(text, add_special_tokens=False)["input_ids"])
+        return plain_ids(self.sharer_tok, text)

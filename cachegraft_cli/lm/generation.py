@@ -228,6 +228,10 @@ def pick_token(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
     if config.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < config.top_p
+        # The most likely token is always in the nucleus: a top_p that rounds to 0 in the logits'
+        # dtype (1e-300 in float32) would keep none, and sampling from all zeros fails. For any
+        # top_p the dtype can hold, 0 < top_p already keeps it, so other draws are unchanged.
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=rng))
 

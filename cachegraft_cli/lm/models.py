@@ -279,6 +279,12 @@ def _weights_header(file: Path) -> bytes:
 def configured_window(spec: str) -> int | None:
     """The context window a model's config.json declares, read without loading the model
     (None where there is no config to read here: a .gguf file, a hub model not cached locally)."""
+    return configured_count(spec, "max_position_embeddings")
+
+
+def configured_count(spec: str, key: str) -> int | None:
+    """A positive whole number the text part of a model's config.json declares (`num_hidden_layers`,
+    `max_position_embeddings`), read without loading the model; None where there is none to read."""
     source, gguf, kind = resolve_source(spec)
     if gguf:
         return None
@@ -296,8 +302,8 @@ def configured_window(spec: str) -> int | None:
         return None
     nested = config.get("text_config")
     text = nested if isinstance(nested, dict) else config  # as `get_text_config` picks it
-    window = text.get("max_position_embeddings")
-    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+    value = text.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def context_window(lm: LoadedModel) -> int | None:

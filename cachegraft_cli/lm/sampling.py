@@ -10,6 +10,9 @@ from cachegraft_cli.errors import UsageError
 
 # Below this a float32 softmax of logits / temperature can overflow to inf and sample NaNs.
 MIN_TEMPERATURE = 1e-3
+# Above this sampling is uniform to float precision anyway; a bound keeps an int such as 10**400 (which
+# no tensor can divide by) from reaching the decoder after the model has loaded.
+MAX_TEMPERATURE = 1e3
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 
 
@@ -23,7 +26,7 @@ class GenerationConfig:
     def check(self) -> GenerationConfig:
         """Refuse a setting decoding cannot use (the API and the CLI share these messages)."""
         whole("max_new_tokens (--max-new-tokens)", self.max_new_tokens, 1)
-        number("temperature (--temperature)", self.temperature, 0.0)
+        number("temperature (--temperature)", self.temperature, 0.0, MAX_TEMPERATURE)
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise UsageError(f"temperature (--temperature) must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; "
                              f"got {self.temperature!r}.", "Pass 0 for greedy decoding, or e.g. 0.7 to sample.")

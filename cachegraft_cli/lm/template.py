@@ -6,12 +6,19 @@ each passage block is encoded on its own after the prefix; the question suffix
 closes the user turn and opens the assistant turn. Pieces are tokenized
 separately and concatenated as ids, so every system (text, cache, graft) sees
 exactly the same ids.
+
+Passages and questions are user text: no control token comes from them
+(`lm.plaintext`), while the template's own ("<|im_end|>" closing the user turn)
+stay control tokens. The prefix is the operator's (the chat template and the
+store's instruction) and is read as it is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from cachegraft_cli.lm.plaintext import mixed_ids, plain_ids
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the documents. Reply with a short answer only: a few words, no explanation."
@@ -39,19 +46,21 @@ class PromptTemplate:
         return cls(tokenizer, prefix, "Question: " + _QUESTION + "\nAnswer:", False, instruction)
 
     def prefix_ids(self) -> list[int]:
-        return self._ids(self.prefix_text)
+        # the operator's text (chat template, instruction): its control tokens are the template's
+        return list(self.tokenizer(self.prefix_text, add_special_tokens=False)["input_ids"])
 
     def passage_block(self, title: str, text: str) -> str:
         return passage_block(title, text)
 
     def passage_ids(self, title: str, text: str) -> list[int]:
-        return self._ids(self.passage_block(title, text))
+        """The block's ids: the title and text are corpus text only, so the block is read plainly."""
+        return plain_ids(self.tokenizer, self.passage_block(title, text))
 
     def question_ids(self, question: str) -> list[int]:
-        return self._ids(self.suffix_text.replace(_QUESTION, question.strip()))
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """The suffix's ids: its control tokens stay, the question gives none."""
+        head, *rest = self.suffix_text.split(_QUESTION)
+        parts = [(head, False)] + [part for tail in rest for part in ((question.strip(), True), (tail, False))]
+        return mixed_ids(self.tokenizer, parts)
 
     def identity(self) -> dict:
         """What a stored cache depends on (pinned in store metadata)."""

@@ -11,6 +11,7 @@ from cachegraft_cli.errors import (
     CacheGraftError,
     NoPassagesError,
     ServerError,
+    StoreCorruptError,
     StoreNotFoundError,
     UsageError,
 )
@@ -86,6 +87,8 @@ def _error(status: int, body: bytes, url: str) -> CacheGraftError:
         return NoPassagesError(message, hint)
     if code == "store_not_found":
         return StoreNotFoundError(message, hint)
+    if code == "store_damaged":  # the exit code a local `ask` on the damaged store gives
+        return StoreCorruptError(message, hint)
     if 400 <= status < 500:
         return UsageError(message, hint)
     return ServerError(f"The server failed: {message}", hint)

@@ -140,13 +140,26 @@ class Engine:
                     "decoding": self._decoding(),
                     "batches": {str(size): n for size, n in sorted(self.batches.items())}}
 
-    def close(self) -> None:
-        """Answer what is queued, then stop the worker."""
+    def close(self, timeout: float | None = None) -> None:
+        """Answer what is queued, then stop the worker. With a `timeout`, what is still queued or
+        decoding after that many seconds is cancelled (each row stops after its current token)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.cancel_all()
+            self._thread.join(timeout)
+
+    def cancel_all(self) -> None:
+        """Cancel every job queued or decoding (as if each client had gone)."""
+        with self._cond:
+            queued = list(self._queue)
+        decoding = [row.tag[0] for batch in list(self._running.values()) for row in list(batch.rows)]
+        for job in queued + decoding:
+            self.cancel(job)
 
     def _release(self, job: Job) -> None:
         with self._cond:

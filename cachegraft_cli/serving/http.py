@@ -17,7 +17,21 @@ from typing import Any, AsyncIterator
 
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.answering.systems import SYSTEMS
-from cachegraft_cli.errors import CacheGraftError, NoPassagesError, StoreError, UsageError
+from cachegraft_cli.errors import (
+    CacheGraftError,
+    IndexMismatchError,
+    IndexMissingError,
+    ModelLoadError,
+    NoPassagesError,
+    RetrievalIndexError,
+    StorageError,
+    StoreCorruptError,
+    StoreError,
+    StoreLockedError,
+    StoreMismatchError,
+    StoreNotFoundError,
+    UsageError,
+)
 from cachegraft_cli.serving.engine import Busy, Engine, Job
 from cachegraft_cli.serving.requests import (
     Limits,
@@ -37,10 +51,40 @@ class AppConfig:
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
     on_ready: Any = None  # called once the app has started (the `serve` command prints "ready")
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive, from its first read on; then 408
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_busy"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_busy"}
+
+# What a CacheGraftError raised while answering means for the client, most specific class first
+# (the first one an error is an instance of decides). Only what a retry can cure is 503; a damaged,
+# missing or mismatched store or index stays so until someone repairs it: a permanent 500.
+_STATUSES: list[tuple[type[CacheGraftError], int, str]] = [
+    (NoPassagesError, 404, "no_passages"),
+    (StoreLockedError, 503, "store_locked"),  # a writer holds it (an index being built): retry later
+    (StoreCorruptError, 500, "store_damaged"),
+    (StoreMismatchError, 500, "store_mismatch"),
+    (StoreNotFoundError, 500, "store_missing"),  # a served store gone from disk (not an unknown name: 404)
+    (StoreError, 500, "store_error"),
+    (IndexMissingError, 500, "index_missing"),
+    (IndexMismatchError, 500, "index_mismatch"),
+    (RetrievalIndexError, 500, "index_damaged"),
+    (StorageError, 500, "storage_error"),
+    (ModelLoadError, 500, "model_error"),
+    (CacheGraftError, 500, "server_error"),
+]
+
+
+class ClientGone(RequestError):
+    """The client hung up before its answer: nobody reads the response (its slot is already free)."""
+
+    def __init__(self, message: str = "The client disconnected.", hint: str = ""):
+        super().__init__(message, hint, status=400, code="client_disconnected")
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.hint))
 
 
 def error_body(status: int, message: str, hint: str = "", param: str | None = None, code: str | None = None) -> dict:
@@ -51,48 +95,92 @@ def error_body(status: int, message: str, hint: str = "", param: str | None = No
 
 def error_response(exc: BaseException):
     """The one map from an exception to a response."""
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse
 
-    headers = {}
-    if isinstance(exc, Busy):
-        headers["Retry-After"] = str(exc.retry_after)
-    if isinstance(exc, RequestError):
-        status, param, code = exc.status, exc.param, exc.code
-    elif isinstance(exc, NoPassagesError):
-        status, param, code = 404, None, "no_passages"
-    elif isinstance(exc, UsageError):  # a system the store cannot serve, a prompt past the context window
-        status, param = 400, None
-        code = "context_length_exceeded" if "context window" in exc.message else "invalid_request"
-    elif isinstance(exc, CacheGraftError):
-        status, param, code = (503 if isinstance(exc, StoreError) else 500), None, type(exc).__name__
-    else:
+    if isinstance(exc, ClientDisconnect):  # left mid-body: nobody will read this
+        exc = ClientGone()
+    if not isinstance(exc, CacheGraftError):
         print(f"error: unexpected {type(exc).__name__} while answering: {exc}", file=sys.stderr, flush=True)
         return JSONResponse(error_body(500, f"Internal error ({type(exc).__name__}).",
                                        "This is a bug in cachegraft; the server's stderr has the details."), 500)
-    body = error_body(status, exc.message, exc.hint, param, code)
-    return JSONResponse(body, status, headers=headers)
+    status, param, code = error_status(exc)
+    if status >= 500 and not isinstance(exc, Busy):  # the operator has a store or index to look at
+        print(f"error: {type(exc).__name__} while answering: {exc}", file=sys.stderr, flush=True)
+    headers = {}
+    if isinstance(exc, Busy):
+        headers["Retry-After"] = str(exc.retry_after)
+    elif status == 503:
+        headers["Retry-After"] = "5"
+    if status in (408, 413):  # the body was not read to its end: the connection cannot carry another request
+        headers["Connection"] = "close"
+    return JSONResponse(error_body(status, exc.message, exc.hint, param, code), status, headers=headers)
 
 
-async def read_json(request, limit: int) -> Any:
-    """The body as JSON, refusing one over `limit` bytes before reading more than that."""
+def error_status(exc: CacheGraftError) -> tuple[int, str | None, str]:
+    """(HTTP status, param, code) of an error raised while serving a request."""
+    if isinstance(exc, RequestError):
+        return exc.status, exc.param, exc.code
+    if isinstance(exc, UsageError):  # a system the store cannot serve, a prompt past the context window
+        return 400, None, "context_length_exceeded" if "context window" in exc.message else "invalid_request"
+    return next((status, None, code) for kind, status, code in _STATUSES if isinstance(exc, kind))
+
+
+async def read_json(request, limit: int, timeout: float = 30.0) -> Any:
+    """The body as JSON, refusing one over `limit` bytes before reading more than that, and one
+    that has not arrived `timeout` seconds after the first read (408: a stalled client)."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise _too_big(limit) if length.isdigit() else RequestError("Bad Content-Length header.")
+    if length is not None and not (length.isascii() and length.isdigit()):  # h11 refuses these first
+        raise RequestError(f"Bad Content-Length header {length[:40]!r}.", "Send the body's length in bytes.",
+                           code="invalid_content_length")
+    if length is not None and int(length) > limit:
+        raise _too_big(limit)
+    try:
+        data = await asyncio.wait_for(_body(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(f"The request body did not arrive within {timeout:g} s.",
+                           "Send the whole body promptly (the limit is the server's --body-timeout).", status=408,
+                           code="request_timeout") from None
+    return parse_json(data)
+
+
+async def _body(request, limit: int) -> bytes:
     data = bytearray()
     async for chunk in request.stream():
         data += chunk
         if len(data) > limit:
             raise _too_big(limit)
+    return bytes(data)
+
+
+def parse_json(data: bytes) -> Any:
+    """A body as JSON: UTF-8 only (json.loads would also take UTF-16 and UTF-32), no NaN or
+    Infinity (not JSON; a number field would compare false with every bound)."""
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"The body is not valid JSON ({exc}).", "Send a JSON object.", code="invalid_json") from None
+        return json.loads(data.decode("utf-8"), parse_constant=_not_json)
+    except RecursionError:  # the C parser's own depth guard: a 400, never a 500
+        raise RequestError("The body nests arrays or objects too deeply to parse.", "Send a flat JSON object.",
+                           code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise RequestError(f"The body is not valid JSON ({exc}).", "Send a JSON object in UTF-8.",
+                           code="invalid_json") from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 def _too_big(limit: int) -> RequestError:
     return RequestError(f"The request body is over this server's limit of {limit:,} bytes.",
                         "Send a shorter body (the limit is the server's --max-body).", status=413,
                         code="body_too_large")
+
+
+async def hung_up(receive) -> None:
+    """Return once the client disconnects. Called after the body was read whole: the next ASGI
+    message is then `http.disconnect`, sent when the connection drops (or the response is done)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Api:
@@ -103,6 +191,9 @@ class Api:
         self.default_store = next(iter(engine.urls))
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    async def body(self, request) -> Any:
+        return await read_json(request, self.config.limits.max_body, self.config.body_timeout)
 
     def check_key(self, request) -> None:
         key = self.config.api_key
@@ -118,29 +209,39 @@ class Api:
         """A store by its name, or by the path or URL it was served from."""
         if store is None:
             return self.default_store
-        if store in self.engine.urls:
-            return store
-        for name, url in self.engine.urls.items():
-            if _same_place(store, url):
-                return name
-        raise RequestError(f"No store {store!r} on this server.",
-                           f"Stores: {', '.join(self.engine.urls)} (GET /v1/models lists them).", status=404,
-                           param="store", code="store_not_found")
+        found = self.find_store(store)
+        if found is None:
+            raise RequestError(f"No store {store!r} on this server.",
+                               f"Stores: {', '.join(self.engine.urls)} (GET /v1/models lists them).", status=404,
+                               param="store", code="store_not_found")
+        return found
+
+    def find_store(self, given: str) -> str | None:
+        """The name of the store `given` names (its name, or the path or URL it is served from)."""
+        if given in self.engine.urls:
+            return given
+        return next((name for name, url in self.engine.urls.items() if _same_place(given, url)), None)
 
     def model(self, model: str | None) -> tuple[str, str | None]:
-        """(store, system or None) that a chat `model` names: STORE, SYSTEM or STORE/SYSTEM."""
+        """(store, system or None) that a chat `model` names: STORE, SYSTEM or STORE/SYSTEM, where
+        STORE is a store's name or the path it is served from (as `store` takes it)."""
         if not model:
             return self.default_store, None
         if model in self.engine.urls:
             return model, None
         if model in SYSTEMS:
             return self.default_store, model
-        store, _, system = model.rpartition("/")
-        if store in self.engine.urls and system in SYSTEMS:
+        store = self.find_store(model)
+        if store is not None:
+            return store, None
+        prefix, _, system = model.rpartition("/")
+        store = self.find_store(prefix) if prefix and system in SYSTEMS else None
+        if store is not None:
             return store, system
         raise RequestError(f"The model {model!r} does not exist on this server.",
-                           "GET /v1/models lists the models: a store, a system, or STORE/SYSTEM.", status=404,
-                           param="model", code="model_not_found")
+                           "GET /v1/models lists the models: a store, a system, or STORE/SYSTEM (a store by its "
+                           "name or the path it is served from).", status=404, param="model",
+                           code="model_not_found")
 
     def model_ids(self) -> list[str]:
         ids = list(self.engine.urls)
@@ -149,14 +250,24 @@ class Api:
         ids += [s for s in _servable(self.engine.askers[self.default_store])]
         return ids
 
-    async def answer(self, job: Job) -> Any:
-        """Queue `job` and wait for it; a request cancelled meanwhile frees its slot."""
+    async def answer(self, job: Job, request=None) -> Any:
+        """Queue `job` and wait for it. A client that hangs up meanwhile (or a request cancelled
+        by the shutdown bound) frees its slot at once: a queued job is dropped, a decoding one
+        stops after its current token; nobody waits for an answer no one will read."""
         self.engine.submit(job)
+        result = asyncio.wrap_future(job.future)
+        watch = [asyncio.ensure_future(hung_up(request.receive))] if request is not None else []
         try:
-            return await asyncio.wrap_future(job.future)
-        except asyncio.CancelledError:
-            self.engine.cancel(job)
-            raise
+            await asyncio.wait([result, *watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in watch:
+                task.cancel()
+            if not result.done():  # the client left, or this request was cancelled
+                self.engine.cancel(job)
+                result.cancel()
+        if result.cancelled():
+            raise ClientGone()
+        return result.result()
 
     # -- endpoints ---------------------------------------------------------------------------------
 
@@ -175,36 +286,34 @@ class Api:
     async def ask(self, request):
         from starlette.responses import JSONResponse
 
-        q = ask_request(await read_json(request, self.config.limits.max_body), self.config.defaults,
-                        self.config.limits)
+        q = ask_request(await self.body(request), self.config.defaults, self.config.limits)
         job = Job("ask", self.store_name(q.store), q.question, q.options)
-        return JSONResponse(await self.answer(job))
+        return JSONResponse(await self.answer(job, request))
 
     async def retrieve(self, request):
         from starlette.responses import JSONResponse
 
-        q = retrieve_request(await read_json(request, self.config.limits.max_body), self.config.defaults,
-                             self.config.limits)
-        return JSONResponse(await self.answer(Job("retrieve", self.store_name(q.store), q.question, q.options)))
+        q = retrieve_request(await self.body(request), self.config.defaults, self.config.limits)
+        job = Job("retrieve", self.store_name(q.store), q.question, q.options)
+        return JSONResponse(await self.answer(job, request))
 
     async def reload(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse(await self.answer(Job("reload", self.default_store)))
+        return JSONResponse(await self.answer(Job("reload", self.default_store), request))
 
     async def chat(self, request):
         from dataclasses import replace
 
         from starlette.responses import JSONResponse, StreamingResponse
 
-        body = await read_json(request, self.config.limits.max_body)
-        chat = chat_request(body, self.config.defaults, self.config.limits)
+        chat = chat_request(await self.body(request), self.config.defaults, self.config.limits)
         store, system = self.model(chat.model)
         options = chat.question.options if system is None else replace(chat.question.options, system=system)
         job = Job("ask", store, chat.question.question, options)
         reply = Reply(chat.model or store, options.generation.max_new_tokens)
         if not chat.stream:
-            return JSONResponse(reply.completion(await self.answer(job)))
+            return JSONResponse(reply.completion(await self.answer(job, request)))
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.on_text = lambda text: _put(loop, events, text)
@@ -309,7 +418,10 @@ def _servable(asker) -> list[str]:
 def _same_place(given: str, url: str) -> bool:
     if "://" in given or "://" in url:
         return given.rstrip("/") == url.rstrip("/")
-    return os.path.realpath(given) == os.path.realpath(url)
+    try:
+        return os.path.realpath(given) == os.path.realpath(url)
+    except (OSError, ValueError):  # a name no path can be (refused earlier; a path loop): not this store
+        return False
 
 
 def build_app(engine: Engine, config: AppConfig):
@@ -354,4 +466,42 @@ def build_app(engine: Engine, config: AppConfig):
         Route("/v1/retrieve", guarded(api.retrieve), methods=["POST"]),
         Route("/v1/reload", guarded(api.reload), methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    return cut_off_cleanly(Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                                     lifespan=lifespan))
+
+
+def cut_off_cleanly(app):
+    """`app`, ending a request that uvicorn cancels (SIGTERM's drain ran past --shutdown-timeout)
+    with an answer instead of a traceback: a 503 `shutting_down` if no response has started, an
+    error event ending a stream that has."""
+
+    async def wrapped(scope, receive, send) -> None:
+        started: list[dict] = []
+
+        async def tracking(message) -> None:
+            if message["type"] == "http.response.start":
+                started.append(message)
+            await send(message)
+
+        try:
+            await app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            if scope["type"] != "http":
+                raise
+            await send_cut_off(send, started[0] if started else None)
+
+    return wrapped
+
+
+async def send_cut_off(send, start: dict | None) -> None:
+    body = error_body(503, "The server shut down before this request was answered.",
+                      "Retry against a running server.", None, "shutting_down")
+    if start is None:
+        content = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": content})
+        return
+    event_stream = (b"content-type", b"text/event-stream; charset=utf-8") in start.get("headers", [])
+    await send({"type": "http.response.body", "body": sse(body).encode() if event_stream else b""})

@@ -6,6 +6,7 @@ turns it into OpenAI's error shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,11 @@ ASK_FIELDS: dict[str, tuple[type, ...]] = {
     "blend_layer": _INT, "max_new_tokens": _INT, "temperature": _NUMBER, "top_p": _NUMBER, "seed": _INT,
 }
 _GENERATION = {"max_new_tokens", "temperature", "top_p", "seed"}
+# Below this a nucleus keeps only the likeliest token for any vocabulary under a million (that
+# token has p >= 1/vocab), so nothing is lost; far below it float32 rounds top_p to 0, keeps no
+# token and sampling divides by zero.
+MIN_TOP_P = 1e-6
+MAX_NAME_CHARS = 4096  # a store path or model name; the longest path Linux takes
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,45 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, n
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join("integer" if k is int else "number" if k is float else k.__name__ for k in kinds)
-        raise RequestError(f"'{name}' must be a {names}, not {json_kind(value)}.", param=name, code="invalid_type")
+        article = "an" if names[0] in "aeiou" else "a"
+        raise RequestError(f"'{name}' must be {article} {names}, not {json_kind(value)}.", param=name,
+                           code="invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses to inf
+        raise RequestError(f"'{name}' must be a finite number, got {value}.", param=name, code="invalid_number")
     return value
+
+
+def name_field(body: dict, name: str) -> str | None:
+    """`body[name]` naming a store or model: a string that a path can hold (no NUL or other
+    control character: the OS refuses them with errors of its own), or None if absent."""
+    value = field(body, name, _STR)
+    if value is None:
+        return None
+    if len(value) > MAX_NAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise RequestError(f"'{name}' is not a name this server could serve: it holds a control character "
+                           f"or is over {MAX_NAME_CHARS} characters.", "GET /v1/models lists the names.",
+                           param=name, code="invalid_name")
+    return value
+
+
+def check_text(body: Any) -> None:
+    """Refuse a body with a string (or key) that is not UTF-8 text: a lone surrogate (a JSON
+    "\\ud800" escape) cannot be encoded, tokenized, logged or echoed back. Walked without
+    recursion: a body may nest as deep as the JSON parser allowed."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack += list(value.keys()) + list(value.values())
+        elif isinstance(value, list):
+            stack += value
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"The body holds a lone surrogate ({value[exc.start]!r}): not UTF-8 text.",
+                                   "Send UTF-8 text; \\ud800-\\udfff escapes must come in pairs.",
+                                   code="invalid_text") from None
 
 
 def json_kind(value: Any) -> str:
@@ -104,8 +147,9 @@ def check_limits(options: AskOptions, limits: Limits) -> None:
                            "This server's limit is its --max-tokens.", param="max_tokens")
     if g.temperature < 0:
         raise RequestError(f"temperature must be at least 0, got {g.temperature}.", param="temperature")
-    if not 0 < g.top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {g.top_p}.", param="top_p")
+    if not MIN_TOP_P <= g.top_p <= 1:
+        raise RequestError(f"top_p must be from {MIN_TOP_P:g} to 1, got {g.top_p}.",
+                           f"Any top_p up to {MIN_TOP_P:g} keeps only the likeliest token.", param="top_p")
 
 
 def check_question(question: Any, limits: Limits, param: str = "question") -> str:
@@ -128,7 +172,7 @@ def ask_request(body: Any, base: AskOptions, limits: Limits) -> Question:
         raise RequestError("The request has no 'question'.", 'Send {"question": "..."}.', param="question",
                            code="missing_question")
     question = check_question(body["question"], limits)
-    store = field(body, "store", _STR)
+    store = name_field(body, "store")
     return Question(store, question, ask_options(base, body, limits))
 
 
@@ -140,7 +184,7 @@ def retrieve_request(body: Any, base: AskOptions, limits: Limits) -> Question:
         raise RequestError("The request has no 'question'.", 'Send {"question": "..."}.', param="question",
                            code="missing_question")
     question = check_question(body["question"], limits)
-    return Question(field(body, "store", _STR), question, ask_options(base, {"k": body.get("k")}, limits))
+    return Question(name_field(body, "store"), question, ask_options(base, {"k": body.get("k")}, limits))
 
 
 @dataclass(frozen=True)
@@ -164,7 +208,7 @@ def chat_request(body: Any, base: AskOptions, limits: Limits) -> Chat:
     accepted; `n` other than 1 is refused."""
     body = _object(body)
     _refuse_unknown(body, _CHAT_KNOWN)
-    model = field(body, "model", _STR)
+    model = name_field(body, "model")
     if field(body, "n", _INT, 1) != 1:
         raise RequestError("Only n=1 is supported.", "Leave n out.", param="n")
     question = last_user_message(body.get("messages"), limits)
@@ -199,6 +243,7 @@ def _text(content: Any) -> Any:
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise RequestError(f"The request body must be a JSON object, not {json_kind(body)}.", code="invalid_body")
+    check_text(body)
     return body
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreCorruptError, StoreError, UsageError
 from cachegraft_cli.store import segments, shards
+from cachegraft_cli.store.evidence import DECODES
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
@@ -45,6 +46,7 @@ from cachegraft_cli.store.layout import (
     token_extent,
 )
 from cachegraft_cli.store.rows import SegmentTable, carry_kept
+from cachegraft_cli.store.verify import check_written
 
 DEFAULT_TARGET_BYTES = 1 << 30
 DEFAULT_GRACE_SECONDS = 3600.0
@@ -118,9 +120,35 @@ def plan_groups(entries: list[dict], target_bytes: int) -> list[list[dict]]:
 
 
 def merge_segments(store, group: list[dict]) -> dict:
-    """Write one new, unlisted segment holding `group`'s rows in order; returns its entry."""
-    loc = store.loc
+    """Write one new, unlisted segment holding `group`'s rows in order, and check that it decodes to
+    what its sources claim before anyone can see it; returns its entry. Sources whose metadata
+    contradicts the store are refused before anything is written; a merge that does not check is
+    deleted again (it was never listed) and nothing of the store changes."""
+    for entry in group:  # every source's arrays against the store's identity (`StoreMetadataError`)
+        for kind in store.kinds:
+            for comp in store.codec.components():
+                store.array(entry["name"], kind, comp.name)
     name = new_segment_name()
+    try:
+        entry, table = _write_merge(store, group, name)
+        problems = check_written(store, table, entry)
+    except BaseException:
+        segments.delete_segment(store.loc, name)
+        raise
+    if problems:
+        segments.delete_segment(store.loc, name)
+        first = problems[0]
+        where = f"passage {first['passage']!r}" if first.get("passage") else f"segment {name}"
+        raise StoreCorruptError(
+            f"compaction of {store.loc.url} refused: the merge of {', '.join(e['name'] for e in group)} does not "
+            f"read back as its sources claim ({where}: {first['problem']}; {len(problems)} problems); nothing was "
+            "swapped or deleted.", hint=f"Run `cachegraft store verify {store.loc.url}` and `cachegraft store repair "
+            f"{store.loc.url}` first, then compact again.")
+    return entry
+
+
+def _write_merge(store, group: list[dict], name: str) -> tuple[dict, SegmentTable]:
+    loc = store.loc
     comps = store.codec.components()
     tables = segments.load_tables(loc, [e["name"] for e in group], store.rows_file)
     segments.load_content(loc, tables)
@@ -136,7 +164,7 @@ def merge_segments(store, group: list[dict]) -> dict:
     loc.write_json_atomic(segment_file(name, CONTENT), {"columns": content}, compact=True)
     entry = _entry(store, name, group, table, end)
     loc.write_json_atomic(segment_file(name, COMMIT), entry)
-    return entry
+    return entry, table
 
 
 def _layout(extents: list[int], align: int) -> tuple[list[int], int]:
@@ -151,9 +179,8 @@ def _layout(extents: list[int], align: int) -> tuple[list[int], int]:
 
 def _copy_part(store, group, starts, end, name, kind, comp) -> None:
     out = _PartWriter(store, name, kind, comp)
-    zstore = store.zarr_store()
     for entry, start in zip(group, starts):
-        src = segments.open_array(zstore, array_path(entry["name"], kind, comp.name))
+        src = store.array(entry["name"], kind, comp.name)  # checked against the store (`evidence`)
         rows = comp.rows(0, token_extent(entry))[1]
         if src.shape[0] != rows:
             raise StoreCorruptError(f"segment {entry['name']}: {kind}/{comp.name} has {src.shape[0]} rows, "
@@ -222,7 +249,11 @@ def _entry(store, name: str, group: list[dict], table: SegmentTable, end: int) -
     tokens = int(table.tokens.sum())
     entry = {"name": name, "rows": len(table), "tokens": tokens,
              "bytes": {k: store.loc.size(f"{segment_dir(name)}/{k}") for k in store.kinds},
-             "committed": now_iso(), "run_info": {"tool": TOOL, "merged": [e["name"] for e in group]}}
+             "committed": now_iso(precise=True), "run_info": {"tool": TOOL, "merged": [e["name"] for e in group]},
+             "order": segments.order_of(group[0]),  # where its sources were, for a rebuilt manifest
+             DECODES: store.decodes}
+    if all(e.get("plain_text") for e in group):
+        entry["plain_text"] = True
     if end != tokens:
         entry["token_extent"] = end
     return entry

@@ -72,8 +72,9 @@ def new_segment_name() -> str:
     return f"{stamp}-{socket.gethostname()[:16]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace("/", "_")
 
 
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+def now_iso(precise: bool = False) -> str:
+    """UTC now; `precise` to the microsecond (commit records: their order is rebuilt from it)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds" if precise else "seconds")
 
 
 def default_shard_tokens(raw_bytes_per_token: int, chunk_tokens: int) -> int:

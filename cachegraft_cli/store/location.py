@@ -123,6 +123,15 @@ class Location:
         except FileNotFoundError:
             pass
 
+    def move(self, src: str, dst: str) -> None:
+        """Move a file or directory within the store (one rename locally; copy then delete elsewhere)."""
+        target = self.path(dst)
+        self.fs.mkdirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if self.local:
+            os.replace(self.path(src), target)
+            return
+        self.fs.mv(self.path(src), target, recursive=True)
+
     def size(self, rel: str) -> int:
         try:
             return int(self.fs.du(self.path(rel), total=True))

@@ -43,6 +43,9 @@ class SegmentWriter(StoreWriter):
     def _publish(self, entry: dict, table) -> None:
         pass  # the driver lists it; until then it is invisible
 
+    def _sequence(self) -> int | None:
+        return None  # the driver, not this worker, holds the lock and decides when it is listed
+
 
 def commit_segments(loc: Location, entries: list[dict]) -> dict:
     """List finished segments in the manifest, in the given order, in one atomic replace.

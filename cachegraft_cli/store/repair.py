@@ -23,18 +23,18 @@ it is readable) so that the caller can encode them again.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreCorruptError, StoreError
-from cachegraft_cli.store import segments
+from cachegraft_cli.errors import StoreCorruptError, StoreMetadataError
+from cachegraft_cli.store import evidence, segments
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
     MANIFEST,
     ROWS,
     ROWS_BIN,
+    array_path,
     new_segment_name,
     now_iso,
     rows_file as layout_rows_file,
@@ -43,11 +43,12 @@ from cachegraft_cli.store.layout import (
     token_extent,
 )
 from cachegraft_cli.store.location import Location
+from cachegraft_cli.store.quarantine import QUARANTINE, Quarantine, undo
 from cachegraft_cli.store.recover import merged_from, read_committed, recover, repaired_from
 from cachegraft_cli.store.rows import PassageRow, SegmentTable, carry_kept
 
 TOOL = "cachegraft store repair"
-QUARANTINE = "quarantine"
+__all__ = ["QUARANTINE", "RepairReport", "describe", "rebuild_manifest", "repair", "undo"]
 
 
 # ---------------------------------------------------------------- repair
@@ -65,6 +66,7 @@ class RepairReport:
     quarantined: dict[str, str] = dataclasses.field(default_factory=dict)  # segment -> why it was moved aside
     unchecked: list[dict] = dataclasses.field(default_factory=list)  # passages moved aside unchecked: kept, not dropped
     entries_fixed: list[str] = dataclasses.field(default_factory=list)
+    metadata_restored: list[str] = dataclasses.field(default_factory=list)  # array zarr.json written again
     commits_written: list[str] = dataclasses.field(default_factory=list)
     quarantine: str | None = None  # <store>/quarantine/<id>, when anything was moved or changed
     undo: str | None = None  # the command that undoes this repair
@@ -78,8 +80,10 @@ class RepairReport:
         return d
 
 
-def repair(url, storage_options: dict | None = None, lock=None) -> RepairReport:
-    """Bring a damaged store back to a consistent one (see the module docstring)."""
+def repair(url, storage_options: dict | None = None, lock=None, drop: list[dict] | None = None) -> RepairReport:
+    """Bring a damaged store back to a consistent one (see the module docstring). `drop`: more rows
+    to take out as if proven damaged, {passage, segment, reason} each (`store repair --reencode` of
+    passages cached with control tokens: they are encoded again right after)."""
     from cachegraft_cli.store.lock import WriterLock
     from cachegraft_cli.store.store import CacheStore, read_meta
 
@@ -88,14 +92,17 @@ def repair(url, storage_options: dict | None = None, lock=None) -> RepairReport:
     held = lock or WriterLock(loc, {"tool": TOOL}).acquire()
     try:
         report = RepairReport(loc.url)
-        aside = Quarantine(loc)
         rows_file = layout_rows_file(meta.get("format_version", 1))
+        _check_tables_on_disk(url, loc, meta, rows_file)  # a contradiction stops the repair before any change
+        aside = Quarantine(loc)
         report.manifest = _check_manifest(loc, rows_file, aside)
         report.unreadable = _drop_unreadable(loc, rows_file, aside)
         store = CacheStore.open(url, storage_options=storage_options)
+        report.metadata_restored = restore_array_metadata(store, aside)
+        store = CacheStore.open(url, storage_options=storage_options)
         recovered = recover(store)
         report.adopted, report.retired = recovered["adopted"], recovered["retired"]
-        _drop_damaged(CacheStore.open(url, storage_options=storage_options), report, aside)
+        _drop_damaged(CacheStore.open(url, storage_options=storage_options), report, aside, drop or [])
         final = CacheStore.open(url, storage_options=storage_options).verify()
         report.ok, report.problems_left = final["ok"], final["problems"]
         report.quarantined, report.commits_written = dict(aside.log["moved"]), list(aside.log["commits_written"])
@@ -105,48 +112,6 @@ def repair(url, storage_options: dict | None = None, lock=None) -> RepairReport:
     finally:
         if lock is None:
             held.release()
-
-
-class Quarantine:
-    """`<store>/quarantine/<id>/`: the manifest as it was before a repair, the segments it took out
-    of the store (`segments/<name>`, moved whole), and `repair.json` saying what it did."""
-
-    def __init__(self, loc: Location):
-        self.loc = loc
-        self.id = f"{now_iso().replace(':', '').replace('+0000', 'Z')}-{uuid.uuid4().hex[:6]}"
-        self.dir = f"{QUARANTINE}/{self.id}"
-        try:
-            self.before: bytes | None = loc.read_bytes(MANIFEST)
-        except FileNotFoundError:
-            self.before = None
-        self.log: dict = {"manifest_before": self.before is not None, "moved": {}, "created": [],
-                          "commits_written": []}
-        self.started = False
-
-    def begin(self) -> None:
-        """Before the first change: the old manifest goes aside, so that `undo` can put it back."""
-        if not self.started:
-            if self.before is not None:
-                self.loc.write_bytes(f"{self.dir}/{MANIFEST}", self.before)
-            self.started = True
-            self.save()
-
-    def move(self, name: str, why: str) -> None:
-        self.begin()
-        if self.loc.exists(segment_dir(name)):
-            dst = self.loc.path(f"{self.dir}/{segment_dir(name)}")
-            self.loc.fs.mkdirs(dst.rsplit("/", 1)[0], exist_ok=True)
-            self.loc.fs.mv(self.loc.path(segment_dir(name)), dst, recursive=True)
-        self.log["moved"][name] = why
-        self.save()
-
-    def note(self, key: str, name: str) -> None:
-        self.begin()
-        self.log[key].append(name)
-        self.save()
-
-    def save(self) -> None:
-        self.loc.write_json_atomic(f"{self.dir}/repair.json", self.log)
 
 
 def _check_manifest(loc: Location, rows_file: str, aside: Quarantine) -> str:
@@ -171,8 +136,7 @@ def rebuild_manifest(loc: Location, rows_file: str, aside: Quarantine | None = N
     entries = [entry for entry, _ in found.values() if entry is not None]
     replaced = {repaired_from(e) for e in entries}
     merged = {name for e in entries for name in merged_from(e)}
-    listed = sorted((e for e in entries if e["name"] not in replaced | merged),
-                    key=lambda e: (str(e.get("committed")), e["name"]))
+    listed = segments.in_commit_order([e for e in entries if e["name"] not in replaced | merged])
     for name, (entry, _) in found.items():
         if entry is None and name in replaced | merged:  # a source whose deletion was cut short: all held
             aside.move(name, "a source of a merged or repaired segment, found without its commit record")
@@ -206,8 +170,8 @@ def _commit_again(loc: Location, name: str, rows_file: str, aside: Quarantine) -
              "committed": now_iso(), "run_info": {"tool": TOOL, "commit_rewritten": True}}
     if extent != tokens:
         entry["token_extent"] = extent
-    loc.write_json_atomic(segment_file(name, COMMIT), entry)
     aside.note("commits_written", name)
+    loc.write_json_atomic(segment_file(name, COMMIT), entry)
     return entry
 
 
@@ -228,12 +192,92 @@ def _drop_unreadable(loc: Location, rows_file: str, aside: Quarantine) -> list[s
     return list(missing)
 
 
-ROW_PROVEN = {"chunk", "checksum", "shard_missing", "array_short", "duplicate"}  # a row's own damage, proven
+# a row's own damage, proven (or a row the caller asks to drop: "asked")
+ROW_PROVEN = {"chunk", "checksum", "shard_missing", "array_short", "duplicate", "asked"}
 JUDGED_WHOLE = {"offsets", "rows_mismatch", "arrays", "content"}  # the segment cannot be judged row by row
 
 
-def _drop_damaged(store, report: RepairReport, aside: Quarantine) -> None:
+def _check_tables_on_disk(url, loc: Location, meta: dict, rows_file: str) -> None:
+    """Every readable row table and commit record on disk against the root metadata: when they
+    contradict it, the root or the segments were edited, and no row can be judged."""
+    from cachegraft_cli.store.codecs import get_codec
+
+    codec = get_codec(meta["identity"]["codec"], meta["identity"]["geometry"], meta.get("codec_params"), stored=True)
+    spec = evidence.decode_spec(meta, codec)
+    for name in segments.segment_names(loc):
+        entry, table = read_committed(loc, name, rows_file)
+        if entry is not None and table is not None:
+            evidence.check_entry(loc.url, entry, spec)
+            evidence.check_table(loc.url, table, meta["kinds"], codec.components())
+
+
+def restore_array_metadata(store, aside: Quarantine) -> list[str]:
+    """Write again each array `zarr.json` that contradicts the store's identity, as the writer wrote
+    it, where the evidence agrees on what it was: the segment's own commit record names the decode
+    spec, or another segment's array of the same part matches the store. The old file is kept in
+    the quarantine; the rows' checksums are checked afterwards like every other. Where nothing
+    corroborates the root metadata, it is the suspect: `StoreMetadataError`, nothing changed."""
+    bad, healthy = [], set()
+    for entry, table in zip(store.segments, store.tables):
+        if entry["name"] in store.missing:
+            continue
+        for kind in store.kinds:
+            for comp in store.codec.components():
+                try:
+                    store.array(entry["name"], kind, comp.name)
+                    healthy.add((kind, comp.name))
+                except StoreMetadataError as exc:
+                    bad.append((entry, table, kind, comp, exc))
+    restored = []
+    for entry, table, kind, comp, refusal in bad:
+        corroborated = entry.get(evidence.DECODES) == store.decodes or (kind, comp.name) in healthy
+        if not corroborated and not _only_rows_differ(store, entry, table, kind, comp):
+            raise refusal
+        rows = evidence.expected_rows(comp, entry, table)[1]
+        path = f"{array_path(entry['name'], kind, comp.name)}/zarr.json"
+        aside.replace_file(path, store.expect.metadata_bytes(comp, rows))
+        restored.append(path)
+    _check_restored(store, aside, {e["name"]: (e, t) for e, t, *_ in bad})
+    return restored
+
+
+def _check_restored(store, aside: Quarantine, segments_restored: dict) -> None:
+    """Every row of a segment whose metadata was written again must check; where one does not, the
+    identity itself may be what was edited: the old files go back and nothing is judged."""
+    from cachegraft_cli.store.verify import check_written
+
+    for entry, table in segments_restored.values():
+        problems = check_written(store, table, entry)
+        if problems:
+            for item in aside.log["metadata"]:
+                kept = f"{aside.dir}/metadata/{item['path']}"
+                if store.loc.exists(kept):
+                    store.loc.write_bytes_atomic(item["path"], store.loc.read_bytes(kept))
+            raise StoreMetadataError(
+                f"store {store.loc.url}: segment {entry['name']}'s array metadata contradicts the store's identity, "
+                f"and written again as the identity says, its rows do not check ({problems[0]['problem']}); the "
+                "old metadata was put back and no row was dropped.",
+                hint="The root zarr.json may be what was edited: restore it from a backup, then run "
+                     f"`cachegraft store verify {store.loc.url}`.")
+
+
+def _only_rows_differ(store, entry: dict, table, kind: str, comp) -> bool:
+    """Whether an array's metadata agrees with the store but for its length (a shortened shape)."""
+    try:
+        arr = segments.open_array(store.zarr_store(), array_path(entry["name"], kind, comp.name))
+    except Exception:  # noqa: BLE001 - a zarr.json that does not open says nothing either way
+        return False
+    return evidence.array_problem(store.expect, arr, comp, entry, table, rows=False) is None
+
+
+def _drop_damaged(store, report: RepairReport, aside: Quarantine, extra: list[dict]) -> None:
     found = store.verify()
+    found["problems"] += _asked(store, extra)
+    contradictions = [p for p in found["problems"] if p["code"] == "metadata"]
+    if contradictions:  # never turned into dropped rows
+        raise StoreMetadataError(f"store {store.loc.url}: segment {contradictions[0]['segment']}: "
+                                 f"{contradictions[0]['problem']}", hint="Restore that file from a backup, then "
+                                 f"run `cachegraft store repair {store.loc.url}` again.")
     drop: dict[str, dict[int, str]] = {}
     whole: dict[str, str] = {}
     for p in found["problems"]:
@@ -274,10 +318,22 @@ def _drop_damaged(store, report: RepairReport, aside: Quarantine) -> None:
     report.rewritten = {seg: (e["name"] if e else None) for seg, e in replacements.items() if seg not in whole}
 
 
+def _asked(store, extra: list[dict]) -> list[dict]:
+    """The caller's rows to drop, as verify's problems (rows of segments no longer listed are skipped)."""
+    tables = {t.segment: t for t in store.tables}
+    out = []
+    for item in extra:
+        table = tables.get(item["segment"])
+        if table is not None and item["passage"] in table.ids:
+            out.append({"segment": item["segment"], "passage": item["passage"], "row": table.ids.index(item["passage"]),
+                        "problem": item["reason"], "code": "asked"})
+    return out
+
+
 def _restore_commit(store, name: str, aside: Quarantine) -> None:
     entry = next(e for e in store.segments if e["name"] == name)
-    store.loc.write_json_atomic(segment_file(name, COMMIT), entry)
     aside.note("commits_written", name)
+    store.loc.write_json_atomic(segment_file(name, COMMIT), entry)
 
 
 def _content_rows(store, table: SegmentTable) -> list[PassageRow] | None:
@@ -305,7 +361,8 @@ def _rewrite_without(store, table: SegmentTable, drop: set[int], rows: list[Pass
         {"title": [""] * len(keep), "text": [""] * len(keep), "metadata": [{} for _ in keep]}
     loc.write_json_atomic(segment_file(new, CONTENT), {"columns": content}, compact=True)
     before = next(e for e in store.segments if e["name"] == old)
-    entry = {**before, "name": new, "rows": len(keep), "committed": now_iso(),
+    entry = {**before, "name": new, "rows": len(keep), "committed": now_iso(precise=True),
+             "order": segments.order_of(before),  # where its source was, for a rebuilt manifest
              "tokens": int(sub.tokens.sum()), "token_extent": token_extent(before),  # the arrays, gaps and all
              "bytes": {k: loc.size(f"{segment_dir(new)}/{k}") for k in store.kinds},
              "run_info": {"tool": TOOL, "repaired_from": old, "dropped": len(drop)}}
@@ -342,47 +399,6 @@ def _replace_entries(loc: Location, replacements: dict[str, dict | None]) -> Non
     loc.write_json_atomic(MANIFEST, manifest)
 
 
-def undo(url, repair_id: str, storage_options: dict | None = None, lock=None) -> list[str]:
-    """Put the store back as it was before repair `repair_id`: the segments it created are removed
-    (copies of what it moved aside), the commit records it wrote removed, the segments it moved
-    aside moved back, the manifest it replaced restored. Returns lines saying what was done."""
-    from cachegraft_cli.store.lock import WriterLock
-
-    loc = Location.from_url(url, storage_options)
-    where = f"{QUARANTINE}/{repair_id}"
-    if not segments.valid_name(repair_id) or not loc.exists(f"{where}/repair.json"):
-        known = ", ".join(loc.list_names(QUARANTINE)) or "none"
-        raise StoreError(f"{loc.url} has no repair {repair_id!r} to undo (repairs kept there: {known}).",
-                         hint=f"Use an id from `ls {loc.path(QUARANTINE)}`.")
-    log = loc.read_json(f"{where}/repair.json")
-    clash = [n for n in log["moved"] if loc.exists(segment_dir(n))]
-    if clash:
-        raise StoreError(f"segment {clash[0]} is in {loc.url}/segments and in the quarantine; nothing was undone.",
-                         hint="Move one of them away by hand first.")
-    held = lock or WriterLock(loc, {"tool": f"{TOOL} --undo"}).acquire()
-    try:
-        for name in log["created"]:
-            segments.delete_segment(loc, name)
-        for name in log["commits_written"]:
-            if name not in log["moved"]:
-                loc.remove(segment_file(name, COMMIT))
-        for name in log["moved"]:
-            if loc.exists(f"{where}/{segment_dir(name)}"):
-                loc.fs.mv(loc.path(f"{where}/{segment_dir(name)}"), loc.path(segment_dir(name)), recursive=True)
-        if log["manifest_before"]:
-            loc.write_bytes_atomic(MANIFEST, loc.read_bytes(f"{where}/{MANIFEST}"))
-        else:
-            loc.remove(MANIFEST)
-        loc.remove(where)
-    finally:
-        if lock is None:
-            held.release()
-    return [f"removed segment {n} (a copy this repair made)" for n in log["created"]] + \
-        [f"moved segment {n} back" for n in log["moved"]] + \
-        [f"restored manifest.json as it was before repair {repair_id}" if log["manifest_before"]
-         else "removed the manifest this repair rebuilt (there was none before)"]
-
-
 def describe(report: RepairReport) -> list[str]:
     """Lines for a person: what was done, passage by passage."""
     lines = []
@@ -392,6 +408,8 @@ def describe(report: RepairReport) -> list[str]:
     lines += [f"segment {n}: the manifest entry disagreed with its commit record; written again from it"
               for n in report.entries_fixed]
     lines += [f"segment {n}: its commit record was missing; written again" for n in report.commits_written]
+    lines += [f"{p}: contradicted the store's identity; written again as the writer writes it (the old file is "
+              "kept in the quarantine)" for p in report.metadata_restored]
     lines += [f"segment {n}: committed but unlisted; added to the manifest" for n in report.adopted]
     lines += [f"segment {n}: superseded, unlisted; deleted" for n in report.retired]
     lines += [f"dropped passage {d['passage']!r} of segment {d['segment']}: {d['reason']}" for d in report.dropped]

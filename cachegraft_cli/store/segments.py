@@ -114,6 +114,8 @@ def manifest_problem(manifest) -> str | None:
     for key in ("generation", "format_version"):
         if key in manifest and not _count(manifest[key]):
             return f"{key} is {manifest[key]!r} (a count >= 0 is required)"
+    if manifest.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:  # the root zarr.json says otherwise
+        return f"format_version is {manifest['format_version']}, but the store's is at most {FORMAT_VERSION}"
     seen: set[str] = set()
     for i, entry in enumerate(manifest["segments"]):
         problem = _entry_problem(entry)
@@ -136,6 +138,37 @@ def committed_segments(loc: Location, skip: set[str] | frozenset = frozenset()) 
     """Segments on disk with a commit record (complete), except those in `skip` (not even asked
     about: one request per segment counts on object stores)."""
     return [name for name in segment_names(loc) if name not in skip and loc.exists(segment_file(name, COMMIT))]
+
+
+def order_of(entry: dict) -> dict:
+    """When a segment's rows were first committed, for ordering: {"committed": ISO time, "sequence":
+    the manifest generation that listed them, where the writer held the lock}. A compaction's or
+    repair's copy inherits its source's (`order` in its record), so a rebuilt manifest puts it
+    where its source was, not after segments committed since."""
+    order = entry.get("order")
+    if isinstance(order, dict):
+        return order
+    return {"committed": entry.get("committed"), "sequence": entry.get("sequence")}
+
+
+def in_commit_order(entries: list[dict]) -> list[dict]:
+    """`entries` in the order their rows were committed: by time (to the microsecond in records
+    written since 2026-12-03, to the second before), and exactly by sequence among those that have
+    one (a clock that jumps cannot reorder them); the name breaks what is left of a tie."""
+    import datetime as dt
+
+    epoch = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+
+    def key(entry):
+        order = order_of(entry)
+        return parse_time(order.get("committed")) or epoch, str(entry["name"])
+
+    by_time = sorted(entries, key=key)
+    slots = [i for i, e in enumerate(by_time) if _count(order_of(e).get("sequence"))]
+    ranked = sorted((by_time[i] for i in slots), key=lambda e: order_of(e)["sequence"])
+    for i, entry in zip(slots, ranked):
+        by_time[i] = entry
+    return by_time
 
 
 def listed_names(manifest: dict) -> set[str]:
@@ -262,12 +295,17 @@ def compressor_for(spec: dict, dtype: str) -> dict:
 
 def create_array(store, path: str, comp: Component):
     """Metadata only (shape 0); the writer writes whole shards itself and resizes at commit."""
+    return create_array_in(store.zarr_store(writable=True), path, store, comp)
+
+
+def create_array_in(zstore, path: str, store, comp: Component):
+    """`create_array` into any zarr store (`evidence` builds the metadata a part should have in memory)."""
     import zarr
     from zarr.core.array_spec import ArrayConfigParams
 
     rows_per_chunk, rows_per_shard = chunk_rows(store, comp)
     return zarr.create_array(
-        store=store.zarr_store(writable=True),
+        store=zstore,
         name=path,
         shape=(0,) + comp.tail,
         dtype=comp.dtype,

@@ -8,8 +8,15 @@ import os
 
 import numpy as np
 
-from cachegraft_cli.errors import StoreCorruptError, StoreError, StoreMismatchError, StoreNotFoundError, UsageError
-from cachegraft_cli.store import checksums, identity as ident_mod, segments
+from cachegraft_cli.errors import (
+    StoreCorruptError,
+    StoreError,
+    StoreMetadataError,
+    StoreMismatchError,
+    StoreNotFoundError,
+    UsageError,
+)
+from cachegraft_cli.store import checksums, evidence, identity as ident_mod, segments
 from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
@@ -41,11 +48,14 @@ class CacheStore:
         self.chunk_tokens: int = meta["chunk_tokens"]
         self.shard_tokens: int = meta["shard_tokens"]
         self.compressor: dict = meta["compressor"]
+        self.decodes = evidence.decode_spec(meta, self.codec)  # what each segment must have been written with
+        self.expect = evidence.ArrayExpectation(self)
         self.stats = ReadStats()
         self._zstores: dict[bool, object] = {}
         self._arrays: dict[tuple, object] = {}
         self._entries: list[dict] = []
         self._tables: list[SegmentTable] = []
+        self._at: dict[str, int] = {}  # segment name -> its index in _entries / _tables
         self._where: dict[str, int] = {}  # id -> global row (plain ints: half the build time of tuples)
         self._bases: list[int] = []  # global row of each table's first row
         self._hashes: set[bytes] | None = None  # built on first has_hash (encode planning only)
@@ -139,7 +149,10 @@ class CacheStore:
 
     def adopt(self, entry: dict, table: SegmentTable) -> None:
         """Add one committed segment to this snapshot (on open, and after our own commit)."""
+        evidence.check_entry(self.loc.url, entry, self.decodes)
+        evidence.check_table(self.loc.url, table, self.kinds, self.codec.components())
         base = self._bases[-1] + len(self._tables[-1]) if self._tables else 0
+        self._at[entry["name"]] = len(self._entries)
         self._entries.append(entry)
         self._tables.append(table)
         self._bases.append(base)
@@ -254,6 +267,8 @@ class CacheStore:
         try:
             requests = [(self.array(self._tables[ti].segment, kind, c.name), c.rows(*span))
                         for (ti, _), span in zip(found, spans) for c in comps]
+        except StoreMetadataError:
+            raise
         except Exception as exc:  # noqa: BLE001 - an array whose metadata is gone: name the passages
             from cachegraft_cli.store.damage import corrupt_error
 
@@ -308,11 +323,28 @@ class CacheStore:
         return self._tables[self._locate(passage_id)[0]].segment
 
     def array(self, segment: str, kind: str, part: str):
-        """The zarr array of one segment's cache part (opened once, read lazily)."""
+        """The zarr array of one segment's cache part (opened once, read lazily), after checking its
+        metadata against the store's (`evidence`: a `StoreMetadataError` names what contradicts)."""
         key = (segment, kind, part)
         if key not in self._arrays:
-            self._arrays[key] = segments.open_array(self.zarr_store(), array_path(segment, kind, part))
+            arr = self._open_array(segment, kind, part)
+            if segment in self._at:  # a listed segment: its entry and table say what the array must be
+                at = self._at[segment]
+                comp = next(c for c in self.codec.components() if c.name == part)
+                evidence.check_array(self.loc.url, self.expect, arr, comp, self._entries[at], self._tables[at], kind)
+            self._arrays[key] = arr
         return self._arrays[key]
+
+    def _open_array(self, segment: str, kind: str, part: str):
+        path = array_path(segment, kind, part)
+        try:
+            return segments.open_array(self.zarr_store(), path)
+        except Exception as exc:
+            if segment not in self._at or not self.loc.exists(f"{path}/c"):
+                raise  # no shard either: the part is gone, which is damage
+            entry = self._entries[self._at[segment]]
+            comp = next(c for c in self.codec.components() if c.name == part)
+            raise evidence.array_refusal(self.loc.url, entry, kind, comp, str(exc).splitlines()[0][:120]) from None
 
     def zarr_store(self, writable: bool = False):
         if writable not in self._zstores:
@@ -370,9 +402,11 @@ def read_meta(loc: Location) -> dict:
     if not meta:
         raise StoreNotFoundError(f"{loc.url} is a zarr group but not a cache store.",
                                  hint="Point --store at a directory made by `cachegraft encode`.")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise StoreMismatchError(f"store {loc.url} has format_version={meta['format_version']}, "
+    version = meta.get("format_version", 0) if isinstance(meta, dict) else 0
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise StoreMismatchError(f"store {loc.url} has format_version={version}, "
                                  f"this cachegraft reads up to {FORMAT_VERSION}.", hint="Upgrade cachegraft.")
+    evidence.check_meta(loc.url, meta)
     return meta
 
 

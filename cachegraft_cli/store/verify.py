@@ -4,7 +4,8 @@ Each problem names its segment and, where it is one passage's, the passage
 and its row; `code` says what kind of problem it is (for `store repair`):
 `segment_missing` (its row table does not read), `commit_missing`, `entry` (the manifest
 entry disagrees with a commit record that fits the row table), `rows_mismatch`, `offsets`,
-`content`, `arrays`, `shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`.
+`content`, `arrays`, `shard_missing`, `array_short`, `chunk`, `checksum`, `duplicate`, and `metadata`
+(an array's zarr.json contradicts the store's identity: the bytes may be intact, so no row is judged).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import json
 
 import numpy as np
 
-from cachegraft_cli.store import checksums, segments
+from cachegraft_cli.errors import StoreMetadataError
+from cachegraft_cli.store import checksums, evidence, segments
 from cachegraft_cli.store.layout import COMMIT, CONTENT, array_path, segment_file
 
 
@@ -117,11 +119,33 @@ def _check_content(store, table) -> list[dict]:
     return []
 
 
+def check_written(store, table, entry: dict) -> list[dict]:
+    """Problems of a segment written but not listed yet (a compaction's merge, before the swap):
+    its arrays' metadata against the store's, and every passage against its checksums."""
+    comps = store.codec.components()
+    out = []
+    for kind in store.kinds:
+        for comp in comps:
+            try:
+                arr = segments.open_array(store.zarr_store(), array_path(table.segment, kind, comp.name))
+                problem = evidence.array_problem(store.expect, arr, comp, entry, table)
+            except Exception as exc:  # noqa: BLE001 - any failure to open is what the check reports
+                problem = f"does not open ({_short(exc)})"
+            if problem:
+                out.append(_problem(table, None, kind, comp.name, f"{kind}/{comp.name}/zarr.json {problem}",
+                                    "metadata"))
+    if out:
+        return out
+    return [p for kind in store.kinds for p in _check_kind(store, table, kind, lambda n: None)]
+
+
 def _check_kind(store, table, kind, advance) -> list[dict]:
     comps = store.codec.components()
     tokens = int((table.offsets + table.tokens).max()) if len(table) else 0  # gaps included (compacted int4, repaired)
     try:
         arrays = {c.name: store.array(table.segment, kind, c.name) for c in comps}
+    except StoreMetadataError as exc:  # the bytes may be intact: a contradiction, never row damage
+        return [_problem(table, None, kind, None, exc.message, "metadata")]
     except Exception as exc:  # noqa: BLE001 - any failure to open is damage to report
         return [_problem(table, None, kind, None, f"arrays do not open: {exc}", "arrays")]
     spans = [table.span(i) for i in range(len(table))]

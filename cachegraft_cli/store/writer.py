@@ -16,6 +16,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 from cachegraft_cli.store import checksums, segments, shards
+from cachegraft_cli.store.evidence import DECODES
 from cachegraft_cli.store.layout import (
     COMMIT,
     CONTENT,
@@ -224,8 +225,18 @@ class StoreWriter:
     def _entry(self) -> dict:
         loc = self.store.loc
         nbytes = {k: loc.size(f"{segment_dir(self.name)}/{k}") for k in self.store.kinds}
-        return {"name": self.name, "rows": len(self.rows), "tokens": self._written, "bytes": nbytes,
-                "committed": now_iso(), "run_info": self.run_info}
+        entry = {"name": self.name, "rows": len(self.rows), "tokens": self._written, "bytes": nbytes,
+                 "committed": now_iso(precise=True), "run_info": self.run_info, DECODES: self.store.decodes,
+                 "plain_text": True}  # its text was tokenised with no control token parsed (lm.plaintext)
+        sequence = self._sequence()
+        if sequence is not None:
+            entry["sequence"] = sequence
+        return entry
+
+    def _sequence(self) -> int | None:
+        """The manifest generation that will list this segment (this writer holds the lock): commit
+        order exactly, for a manifest rebuilt from the commit records (`segments.in_commit_order`)."""
+        return int(segments.load_manifest(self.store.loc).get("generation", 0)) + 1
 
     def abort(self) -> None:
         if self.closed:

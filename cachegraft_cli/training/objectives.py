@@ -105,7 +105,10 @@ def end_token_id(tokenizer, chat: bool) -> int:
 
 
 def answer_ids(tokenizer, answer: str, end_id: int, max_tokens: int) -> list[int]:
-    ids = list(tokenizer(answer.strip(), add_special_tokens=False)["input_ids"])[: max_tokens - 1]
+    from cachegraft_cli.lm.plaintext import plain_ids
+
+    # dataset text: a control string in an answer must not teach the model to emit the control token
+    ids = plain_ids(tokenizer, answer.strip())[: max_tokens - 1]
     return ids + [end_id]
 
 

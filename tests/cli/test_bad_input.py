@@ -80,6 +80,11 @@ def _files(w: Path) -> None:
     put("squad-answers-string.json", json.dumps(bad))
     put("qa-question-number.jsonl", json.dumps({"question": 5, "answers": ["x"]}) + "\n")
     (w / "qa-latin1.jsonl").write_bytes(b'{"question": "caf\xe9?", "answers": ["x"]}\n')
+    # valid UTF-8 files whose JSON escapes decode to a lone surrogate, which no store or tokenizer takes
+    put("q-surrogate.jsonl", '{"question": "ok?"}\n{"question": "bad \\ud800 escape"}\n')
+    put("surrogate.jsonl", '{"id": "a", "text": "bad \\udc80 escape"}\n')
+    put("listtitle.jsonl", json.dumps({"id": "a", "title": ["x", "y"], "text": "Harbor town."}) + "\n")
+    put("nanmeta.jsonl", '{"id": "a", "text": "Harbor town.", "score": NaN}\n')
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,9 @@ def workspace(tiny_dirs, tmp_path_factory):
     shutil.copytree(w / "store", w / "nomanifest")
     (w / "nomanifest" / "manifest.json").unlink()
     _pickled_receiver(w, tiny_dirs["receiver"])
+    shutil.copytree(w / "store", w / "lostattrs")  # a store whose zarr.json lost its attributes
+    root = json.loads((w / "lostattrs" / "zarr.json").read_text())
+    (w / "lostattrs" / "zarr.json").write_text(json.dumps({**root, "attributes": {}}))
     return {"w": w, "receiver": str(tiny_dirs["receiver"])}
 
 
@@ -154,6 +162,12 @@ CASES = [
     Case("dir-no-text-files", _enc("nodocs"), 8, "nodocs: no readable .txt or .md file"),
     Case("dir-not-utf8", _enc("badmd"), 8, "a.md:2: not UTF-8"),
     Case("dir-with-jsonl-format", _enc("badmd", "--format", "jsonl"), 8, "is a directory"),
+    Case("jsonl-surrogate-escape", _enc("surrogate.jsonl"), 8, "surrogate.jsonl:1: not UTF-8 (passage 'a': field "
+         "'text' holds a lone surrogate"),
+    Case("jsonl-list-title", _enc("listtitle.jsonl"), 8, "listtitle.jsonl:1: bad title (passage 'a': field 'title' "
+         "is a list, not a string)"),
+    Case("jsonl-nan-metadata", _enc("nanmeta.jsonl"), 8, "nanmeta.jsonl:1: bad metadata (passage 'a': field 'score' "
+         "is nan, not a finite number"),
     Case("stdin-as-csv", lambda c: ["encode", "-", "--store", c["w"] / "new", "--receiver", c["receiver"], "--format",
                                     "csv"], 8, "stdin corpora are JSONL"),
     # options
@@ -184,6 +198,11 @@ CASES = [
     Case("encode-bad-compressor", _enc("good.jsonl", "--compressor", "gzip"), 2, "compressor"),
     Case("store-no-own-caches", _enc("good.jsonl", "--also-own-cache", store="store"), 5, "without own caches"),
     Case("store-lost-manifest", _enc("good.jsonl", store="nomanifest"), 7, "manifest.json is missing"),
+    # an append with no model option: the store is checked before the default preset is looked up on the hub
+    Case("store-lost-attributes", lambda c: ["encode", c["w"] / "good.jsonl", "--store", c["w"] / "lostattrs"], 5,
+         "lostattrs is not a cache store: its zarr.json holds no cachegraft metadata"),
+    Case("store-other-receiver", _enc("good.jsonl", store="store", receiver="pickle-receiver"), 5,
+         "was encoded with receiver"),
     # ask: questions files, options, stores
     Case("ask-question-number", _ask("-q", "{w}/q-number.jsonl"), 2, "q-number.jsonl:1"),
     Case("ask-questions-not-utf8", _ask("-q", "{w}/q-latin1.jsonl"), 2, "q-latin1.jsonl:1: not UTF-8"),
@@ -192,6 +211,12 @@ CASES = [
     Case("ask-questions-empty", _ask("-q", "{w}/q-empty.jsonl"), 2, "no questions"),
     Case("ask-questions-blank", _ask("-q", "{w}/q-blank.jsonl"), 2, "q-blank.jsonl:1: the question is empty"),
     Case("ask-empty-question", _ask("   "), 2, "The question is empty"),
+    # bash's $'\xff\xfe': Python's argv holds it surrogate-escaped; refused before the model loads
+    Case("ask-not-utf8-argument", _ask("\udcff\udcfe"), 2, "question holds a lone surrogate ('\\udcff', not UTF-8)"),
+    Case("ask-questions-surrogate", _ask("-q", "{w}/q-surrogate.jsonl"), 2,
+         "q-surrogate.jsonl:2: the question holds a lone surrogate"),
+    Case("ask-blend-layer-past-last", _ask("why?", "--blend", "0.5", "--blend-layer", "4"), 2,
+         "blend_layer (--blend-layer) must be from 0 to 3: the receiver has 4 layers; got 4"),
     Case("ask-both", _ask("why?", "-q", "{w}/q-number.jsonl"), 2, "either a QUESTION or --questions"),
     Case("ask-index-kind", _ask("why?", "--index-kind", "bogus"), 2, "index_kind (--index-kind) 'bogus'"),
     Case("ask-system", _ask("why?", "--system", "oracle"), 2, "Unknown system 'oracle'"),
@@ -235,6 +260,11 @@ CASES = [
     Case("eval-systems", _eval("x={w}/squad-ok.json", "--systems", "graft,oracle"), 2, "Unknown system 'oracle'"),
     Case("eval-ks", _eval("x={w}/squad-ok.json", "--k", "1,two"), 2, "--k takes a comma list"),
     Case("eval-device", _eval("x={w}/squad-ok.json", "--device", "cuda:7"), 2, "device 'cuda:7'"),
+    # the receiver's layers from its config.json: refused before the run encodes its stores
+    Case("eval-blend-layer", _eval("x={w}/squad-ok.json", "--blend", "0.5", "--blend-layer", "9"), 2,
+         "blend_layer (--blend-layer) must be from 0 to 3"),
+    Case("eval-variant-blend-layer", _eval("x={w}/squad-ok.json", "--systems", "text,graft@blend=0.5@blend_layer=4"),
+         2, "must be from 0 to 3: the receiver has 4 layers; got 4"),
     Case("eval-query-option", _eval("x={w}/squad-ok.json?color=red"), 2, "Bad dataset option 'color=red'"),
     # fuser
     Case("fuser-info-escape", lambda c: ["fuser", "info", "builtin:../../fusers"], 4, "builtin:../../fusers"),
