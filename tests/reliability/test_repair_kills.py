@@ -91,6 +91,7 @@ def test_a_kill_at_every_step_of_repair_then_undo_or_repair_again_loses_nothing(
         shutil.rmtree(store)
         shutil.rmtree(again)
     assert kills == total >= 10
+    print(f"repair: {total} kill points, each undone and repaired again")
     record(kills=kills, lost=0)
 
 
@@ -114,6 +115,7 @@ def test_a_kill_at_every_step_of_undo_then_undo_again_restores_the_store(damaged
             assert code == 0, (step, err)
         assert _files(store) == damaged["files"], step
         shutil.rmtree(store)
+    print(f"undo: {total} kill points")
     record(kills=total, lost=0)
 
 
@@ -141,6 +143,7 @@ def test_a_kill_at_every_step_of_compaction_loses_nothing(tmp_path):
             break
         steps += 1
     assert 5 < steps < 199  # every step of one whole compaction was a kill point
+    print(f"compaction: {steps} kill points")
     record(kills=steps, lost=0)
 
 

@@ -1,0 +1,293 @@
+"""Codec fidelity: what a codec does to the receiver's next-token distributions (real models).
+
+The yardstick for codec decisions. F1 on a few hundred questions cannot see one point (when
+5-10% of answers change, its paired standard error is 2-3 points); the model's distributions
+can. Questions with gold answers from the QA sets in ../shared/data/qa/ (SQuAD v1.1 dev,
+SQuADShifts new_wiki and nyt, pooled; each set its own corpus of the sampled paragraphs) are
+answered with `graft` at each k. Every codec's store holds the very same fused caches as a
+lossless float32 store (encoded once, transcoded), and retrieval is the lossless store's, so
+each question reads the same passages from every store. Per codec, paired per question
+against float32:
+
+- dNLL: teacher-forced NLL of the gold answer's tokens (mean per token), codec minus lossless;
+- KL(lossless || codec) of the next-token distributions over the question and answer tokens
+  (per question the mean over its positions; also the 99th percentile over all positions);
+- top-1: how often the greedy next token agrees, over the same positions;
+- flips: the share of greedy 16-token answers that change (the lossless greedy answer is
+  teacher-forced under the codec: it changes exactly when some step's argmax differs);
+- stored bytes per token (manifest bytes, compressed) and the ratio to raw bf16.
+
+Means come with a bootstrap 95% interval over questions (seeded). One forward pass per
+question, codec and k for the gold answer and one for the greedy answer; no generation but
+the lossless one.
+
+    python benchmarks/codec_fidelity.py [--per-set 200] [--k 3,5] [--codecs bf16,int8,int4,k8v4,k2v4]
+                                        [--fuser builtin:...|closed|DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import bench_common as bc
+import numpy as np
+
+SETS = {"squad": "squad_v1.1_dev.json", "new_wiki": "squadshifts_new_wiki.json", "nyt": "squadshifts_nyt.json"}
+OFFLINE_FUSER = "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135"  # the offline preset's
+FLIP_TOKENS = 16
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-set", type=int, default=200, help="questions from each of the three sets")
+    ap.add_argument("--ask", type=int, default=None,
+                    help="ask only the first N of each set's questions (the corpus stays --per-set's)")
+    ap.add_argument("--k", default="3,5")
+    ap.add_argument("--codecs", default="bf16,int8,int4,k8v4,k2v4",
+                    help="codecs compared with float32; tc@STEP[vSTEP][-nopred][-notransform][-noentropy] adds a "
+                         "transform-coding probe (tc_probe.py) at that key (and value) quantiser step")
+    ap.add_argument("--fuser", default=OFFLINE_FUSER)
+    ap.add_argument("--distractors", type=int, default=60, help="paragraphs per set beyond the questions' own")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument("--json", default=None, help="also write every figure here")
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------- stores
+
+
+def build_stores(name: str, passages, session, codecs: list[str], tag: str) -> tuple[dict[str, str], dict]:
+    """A float32 store of the set's paragraphs and its transcodes, one url per codec; and the
+    byte figures of each (for `tc@...` probes: the probe's measured bits, see `tc_probe.py`)."""
+    from p3_codecs import bytes_per_token, transcode
+
+    base = str(bc.WORK_DIR / f"fidelity-{tag}-{bc.DTYPE or 'auto'}-{name}-n{len(passages)}")
+    urls = {"float32": f"{base}-float32"}
+    bc.ensure_store(urls["float32"], passages, session, codec="float32")
+    sizes = {}
+    for codec in codecs:
+        urls[codec] = f"{base}-{codec}"
+        if codec.startswith("tc@"):
+            sizes[codec] = probe_store(urls["float32"], urls[codec], codec)
+            continue
+        transcode(urls["float32"], urls[codec], codec)
+        sizes[codec] = bytes_per_token(urls[codec])
+    return urls, sizes
+
+
+def probe_store(src: str, dst: str, name: str) -> dict:
+    """`tc@STEP[vSTEP][-nopred][-notransform][-noentropy]`: the transform-coding probe's reconstruction
+    of the lossless store, and its bytes per token (-noentropy: fixed-length symbols instead)."""
+    from tc_probe import Stage, probe
+
+    steps, *flags = name[3:].split("-")
+    key_step, _, value_step = steps.partition("v")
+    stage = Stage(predict="nopred" not in flags, transform="notransform" not in flags, step=float(key_step),
+                  value_step=float(value_step) if value_step else None, entropy="noentropy" not in flags)
+    result = probe(src, bc.RECEIVER, stage, out_url=dst if stage.entropy else None)  # -noentropy: same store
+    bc.log(f"{name} on {src}: {result['bits']:.3f} bits/element (keys {result['key_bits']:.3f}, values "
+           f"{result['value_bits']:.3f}; held out {result['heldout_key_bits']:.3f} / "
+           f"{result['heldout_value_bits']:.3f})")
+    raw = result["bytes_per_token"] / result["ratio"]  # raw bf16 bytes per token
+    return {"tokens": result["tokens"], "bytes_per_token": result["bytes_per_token"], "raw_bf16": raw,
+            "ratio": result["ratio"], "probe": result}
+
+
+def sample(path: str, per_set: int, distractors: int, seed: int):
+    passages, questions = bc.squad_sample(per_set, seed, path=path)
+    extra, _ = bc.squad_sample(10**9, seed + 1, path=path)
+    have = {p.id for p in passages}
+    passages += [p for p in extra if p.id not in have][:distractors]
+    return passages, questions
+
+
+# ---------------------------------------------------------------- one question
+
+
+def extended(prompt, tokens: list[int]):
+    """`prompt` with `tokens` read after it (plain causal prompts: the default assembly)."""
+    from cachegraft_cli.lm.generation import Prompt
+
+    if prompt.visible is not None:
+        raise SystemExit("codec_fidelity measures the default assembly (no --recompute / --blend)")
+    end = prompt.positions[-1] + 1
+    return Prompt(prompt.past, prompt.ids + tokens, prompt.positions + list(range(end, end + len(tokens))))
+
+
+def log_probs(lm, prompts: list, conts: list[list[int]], chunk: int = 8) -> list:
+    """Per row, the log-probabilities `(positions, vocab)` of the next token at every question and
+    continuation position but the last, with prompt `prompts[i]` (same question, same past length:
+    the same passages from each store) read before continuation `conts[i]`. Rows go through the
+    model `chunk` at a time, right-padded: causal attention keeps a row's pads out of its own
+    positions, so each row is what a forward of its own gives."""
+    import torch
+
+    from cachegraft_cli.lm import kvcache
+
+    out = []
+    for at in range(0, len(prompts), chunk):
+        group = [(extended(p, c), len(c)) for p, c in zip(prompts[at: at + chunk], conts[at: at + chunk])]
+        width = max(len(p.ids) for p, _ in group)
+        ids = torch.tensor([p.ids + [0] * (width - len(p.ids)) for p, _ in group], device=lm.device)
+        start = group[0][0].positions[0]
+        positions = torch.arange(start, start + width, device=lm.device)[None].expand(len(group), -1)
+        past = [(torch.cat([p.past[n][0] for p, _ in group]), torch.cat([p.past[n][1] for p, _ in group]))
+                for n in range(len(group[0][0].past))]
+        with torch.inference_mode():
+            logits = lm.model(input_ids=ids, cache=kvcache.to_model_cache(past, lm.model.config),
+                              position_ids=positions, use_cache=False).logits
+        for row, (p, n) in enumerate(group):
+            length = len(p.ids) - (1 if n else 0)
+            out.append(torch.log_softmax(logits[row, :length].float(), dim=-1))
+    return out
+
+
+def greedy_answer(lm, prompt) -> list[int]:
+    """The lossless greedy answer's ids, with the stop token that ended it (when one did)."""
+    from cachegraft_cli.lm.generation import GenerationConfig, generate, stop_ids
+
+    gen = generate(lm, prompt, GenerationConfig(max_new_tokens=FLIP_TOKENS))
+    tokens = list(gen.token_ids)
+    if len(tokens) < FLIP_TOKENS:
+        tokens.append(min(stop_ids(lm)))  # the step that chose to stop is scored too
+    return tokens
+
+
+def score(ref_gold, got_gold, got_greedy, q_len: int, gold: list[int], greedy: list[int], stops: set[int]) -> dict:
+    """One question under one codec against the lossless reference (log-probs as `log_probs` gives)."""
+    import torch
+
+    kl = (ref_gold.exp() * (ref_gold - got_gold)).sum(-1).clamp_min(0)  # per position
+    answer_at = torch.arange(q_len - 1, q_len - 1 + len(gold))
+    gold_t = torch.tensor(gold)
+    d_nll = float((ref_gold[answer_at, gold_t] - got_gold[answer_at, gold_t]).mean())
+    top1 = float((ref_gold.argmax(-1) == got_gold.argmax(-1)).float().mean())
+    steps = torch.arange(q_len - 1, q_len - 1 + len(greedy))
+    picked = got_greedy[steps].argmax(-1).tolist()
+    flipped = any(p != g and not (p in stops and g in stops) for p, g in zip(picked, greedy))
+    return {"kl": float(kl.mean()), "kl_positions": kl.tolist(), "dnll": d_nll, "top1": top1, "flip": flipped}
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def bootstrap(values: list[float], n: int, seed: int) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its bootstrap 95% interval."""
+    x = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(n, len(x)))].mean(axis=1)
+    return float(x.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def summarise(per_q: list[dict], n_boot: int, seed: int) -> dict:
+    positions = [v for s in per_q for v in s["kl_positions"]]
+    out = {"questions": len(per_q)}
+    for key in ("dnll", "kl", "top1"):
+        mean, lo, hi = bootstrap([s[key] for s in per_q], n_boot, seed)
+        out[key] = {"mean": mean, "ci95": [lo, hi]}
+    out["kl_p99"] = float(np.quantile(positions, 0.99)) if positions else 0.0
+    mean, lo, hi = bootstrap([float(s["flip"]) for s in per_q], n_boot, seed)
+    out["flips"] = {"share": mean, "ci95": [lo, hi]}
+    return out
+
+
+def fmt_ci(entry: dict, scale: float = 1.0, digits: int = 4) -> str:
+    lo, hi = entry["ci95"]
+    value = entry.get("mean", entry.get("share"))
+    return f"{value * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+
+
+# ---------------------------------------------------------------- main
+
+
+def run_set(name: str, path: str, args, session, codecs: list[str], ks: list[int], tag: str) -> tuple[dict, dict]:
+    """Per codec and k, the per-question scores of one set; and the codecs' byte figures."""
+
+    from cachegraft_cli.answering.ask import Asker
+    from cachegraft_cli.answering.options import AskOptions
+    from cachegraft_cli.lm.generation import stop_ids
+    from cachegraft_cli.lm.plaintext import plain_ids
+
+    passages, questions = sample(path, args.per_set, args.distractors, args.seed)
+    questions = questions[: args.ask] if args.ask else questions
+    same = {c: c.removesuffix("-noentropy") for c in codecs if c.endswith("-noentropy")}  # same reconstruction
+    run = [c for c in codecs if c not in same]
+    urls, sizes = build_stores(name, passages, session, codecs, tag)
+    askers = {c: Asker(u, session=session) for c, u in urls.items() if c not in same}
+    lm, tok = session.receiver, session.tokenizer
+    stops = stop_ids(lm)
+    scores: dict = {(c, k): [] for c in codecs for k in ks}
+    t0 = time.perf_counter()
+    for i, q in enumerate(questions):
+        gold = plain_ids(tok, q.answers[0].strip())
+        for k in ks:
+            options = AskOptions("graft", k)
+            hits = askers["float32"].retrieve(q.question, k)
+            prompts = {c: askers[c].build_prompt(q.question, hits, options)[1] for c in ["float32", *run]}
+            ref = prompts["float32"]
+            assert all(p.ids == ref.ids and p.positions == ref.positions for p in prompts.values())
+            greedy = greedy_answer(lm, ref)
+            got = log_probs(lm, [ref] + [prompts[c] for c in run for _ in (0, 1)],
+                            [gold] + [cont for _ in run for cont in (gold, greedy)])
+            for n, codec in enumerate(run):
+                scores[(codec, k)].append(score(got[0], got[1 + 2 * n], got[2 + 2 * n], len(ref.ids), gold,
+                                                greedy, stops))
+            for codec, base in same.items():
+                scores[(codec, k)].append(scores[(base, k)][-1])
+        if (i + 1) % 25 == 0:
+            bc.log(f"{name}: {i + 1}/{len(questions)} questions, {time.perf_counter() - t0:.0f}s")
+    return scores, sizes
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bc.set_threads(args.threads)
+    random.seed(args.seed)
+    codecs = [c for c in args.codecs.split(",") if c and c != "float32"]
+    ks = [int(k) for k in args.k.split(",")]
+    session = bc.session_for(args.fuser, args.seed)
+    tag = args.fuser.split(":")[-1] if args.fuser.startswith("builtin:") else args.fuser.replace("/", "_")[-40:]
+    start = bc.machine()
+    t0 = time.perf_counter()
+    pooled: dict = {(c, k): [] for c in codecs for k in ks}
+    sizes: dict = {}
+    for name, file in SETS.items():
+        scores, sizes[name] = run_set(name, str((bc.QA_DATA / file).resolve()), args, session, codecs, ks, tag)
+        for key, values in scores.items():
+            pooled[key] += values
+    seconds = time.perf_counter() - t0
+    table, figures = [], {}
+    for codec in codecs:
+        tokens = sum(sizes[s][codec]["tokens"] for s in sizes)
+        stored = sum(sizes[s][codec]["bytes_per_token"] * sizes[s][codec]["tokens"] for s in sizes)
+        ratio = stored / tokens / sizes["squad"][codec]["raw_bf16"]
+        for k in ks:
+            summary = summarise(pooled[(codec, k)], args.bootstrap, args.seed)
+            figures[f"{codec}@k={k}"] = {**summary, "bytes_per_token": stored / tokens, "ratio": ratio}
+            table.append([codec, k, f"{stored / tokens:,.0f}", f"{ratio:.3f}", fmt_ci(summary["dnll"]),
+                          fmt_ci(summary["kl"]), f"{summary['kl_p99']:.4f}", f"{100 * summary['top1']['mean']:.2f}",
+                          fmt_ci(summary["flips"], 100, 1)])
+    n = len(pooled[(codecs[0], ks[0])])
+    bc.print_table(f"Codec fidelity against lossless float32: {n} questions pooled over {', '.join(SETS)}, graft, "
+                   f"fuser {args.fuser}, {seconds / 60:.1f} min",
+                   ["codec", "k", "B/token", "x raw bf16", "dNLL/token [95% CI]", "KL mean [95% CI]", "KL p99",
+                    "top-1 %", "flips % [95% CI]"], table)
+    print(f"machine at start: {start}; at end: loadavg {bc.machine()['loadavg']}")
+    result = {"bench": "codec_fidelity", "fuser": args.fuser, "questions": n, "k": ks, "codecs": figures,
+              "sizes": sizes, "seconds": seconds, "machine_start": start, "machine_end": bc.machine()}
+    bc.emit(result)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
