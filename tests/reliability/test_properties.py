@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from faults import record
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from cachegraft_cli.corpus import read_corpus
 from cachegraft_cli.errors import CorpusError, DatasetError, UsageError
@@ -89,6 +89,9 @@ def test_any_questions_file_gives_questions_or_a_usage_error(data):
 def test_questions_round_trip(items):
     from cachegraft_cli.answering.questions import parse_questions
 
+    # a NUL is refused in questions and ids (as every text argument: see test_hostile_inputs.py)
+    items = [(qid, q) for qid, q in items if "\0" not in f"{qid}{q}"]
+    assume(items)
     lines = "".join(json.dumps({"id": qid, "question": q}) + "\n" for qid, q in items)
     assert parse_questions(lines.encode(), "q.jsonl") == [(qid, q) for qid, q in items]
 
