@@ -81,8 +81,8 @@ def repair_store(url: str, reencode: bool = False) -> dict:
     from cachegraft_cli.store.repair import describe, repair
 
     with lock_store(url, {"tool": "cachegraft store repair"}) as lock:
-        lost = _lost_before_repair(url)
-        report = repair(url, lock=lock, drop=_control_token_rows(url) if reencode else None)
+        lost, drop = _before_repair(url, reencode)
+        report = repair(url, lock=lock, drop=drop)
         result = {**report.as_dict(), "lines": describe(report), "reencoded": [], "not_reencoded": {}}
         for seg in report.unreadable:  # their row tables are gone: the index names what they held
             result["unchecked"] += [{"passage": pid, "segment": seg, "reason": "its row table does not read"}
@@ -110,30 +110,23 @@ def repair_store(url: str, reencode: bool = False) -> dict:
     return result
 
 
-def _control_token_rows(url: str) -> list[dict]:
-    """Passages cached with control tokens parsed from their text (`lm.controlcheck`), to drop and
-    encode again as plain text: {passage, segment, reason}."""
+def _before_repair(url: str, reencode: bool) -> tuple[list[str], list[dict] | None]:
+    """From one open of the store before the repair: the passages of listed segments whose row table
+    does not read (as the index names them), and with `reencode` the passages cached with control
+    tokens parsed from their text (`lm.controlcheck`), to drop and encode again as plain text."""
     from cachegraft_cli.lm.controlcheck import control_token_rows
-    from cachegraft_cli.store import CacheStore
-
-    try:
-        store = CacheStore.open(url, partial=True)
-    except CacheGraftError:  # a lost manifest: the rebuild comes first, the next --reencode finds them
-        return []
-    return [{"passage": r["passage"], "segment": r["segment"],
-             "reason": f"cached with control tokens parsed from its text ({', '.join(r['tokens'])})"}
-            for r in control_token_rows(store) if "note" not in r]
-
-
-def _lost_before_repair(url: str) -> list[str]:
-    """Passages of listed segments whose row table does not read, as the index names them."""
     from cachegraft_cli.store.store import CacheStore
 
     try:
         store = CacheStore.open(url, partial=True)
-    except CacheGraftError:  # a lost manifest: the rebuild names what it finds
-        return []
-    return lost_ids(store, url) if store.missing else []
+    except CacheGraftError:  # a lost manifest: the rebuild comes first, names what it finds; a next --reencode
+        return [], None
+    lost = lost_ids(store, url) if store.missing else []
+    if not reencode:
+        return lost, None
+    return lost, [{"passage": r["passage"], "segment": r["segment"],
+                   "reason": f"cached with control tokens parsed from its text ({', '.join(r['tokens'])})"}
+                  for r in control_token_rows(store) if "note" not in r]
 
 
 def undo_repair(url: str, repair_id: str) -> list[str]:

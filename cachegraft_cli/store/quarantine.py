@@ -111,7 +111,7 @@ def undo(url, repair_id: str, storage_options: dict | None = None, lock=None) ->
     loc = Location.from_url(url, storage_options)
     where = f"{QUARANTINE}/{repair_id}"
     if _never_began(loc, repair_id):
-        _remove_quarantine(loc, where, {})
+        _remove_quarantine(loc, where)
         return [f"repair {repair_id} was stopped before it changed anything; its empty quarantine was removed"]
     log = _journal(loc, repair_id)
     clash = [n for n in log["moved"] if loc.exists(segment_dir(n)) and loc.exists(f"{where}/{segment_dir(n)}")]
@@ -123,7 +123,7 @@ def undo(url, repair_id: str, storage_options: dict | None = None, lock=None) ->
         lines = [] if log.get("undone") else _undo_steps(loc, where, log)
         log["undone"] = True  # from here on only the quarantine is removed: a second undo just finishes that
         loc.write_json_atomic(f"{where}/{JOURNAL}", log)
-        _remove_quarantine(loc, where, log)
+        _remove_quarantine(loc, where)
     finally:
         if lock is None:
             held.release()
@@ -222,9 +222,9 @@ def _restore_index(loc: Location, where: str) -> list[str]:
     return ["restored the retrieval index as it was before the repair"]
 
 
-def _remove_quarantine(loc: Location, where: str, log: dict) -> None:
+def _remove_quarantine(loc: Location, where: str) -> None:
     """Delete the quarantine, but only what the journal accounts for: anything else in it is kept."""
-    stray = [n for n in loc.list_names(f"{where}/segments")]
+    stray = loc.list_names(f"{where}/segments")
     if stray:
         raise StoreError(f"{loc.url}: the quarantine {where} still holds segments its journal does not list "
                          f"({', '.join(stray)}); the store was put back, the quarantine was kept.",

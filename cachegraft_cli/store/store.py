@@ -330,8 +330,8 @@ class CacheStore:
             arr = self._open_array(segment, kind, part)
             if segment in self._at:  # a listed segment: its entry and table say what the array must be
                 at = self._at[segment]
-                comp = next(c for c in self.codec.components() if c.name == part)
-                evidence.check_array(self.loc.url, self.expect, arr, comp, self._entries[at], self._tables[at], kind)
+                evidence.check_array(self.loc.url, self.expect, arr, self._component(part), self._entries[at],
+                                     self._tables[at], kind)
             self._arrays[key] = arr
         return self._arrays[key]
 
@@ -343,8 +343,11 @@ class CacheStore:
             if segment not in self._at or not self.loc.exists(f"{path}/c"):
                 raise  # no shard either: the part is gone, which is damage
             entry = self._entries[self._at[segment]]
-            comp = next(c for c in self.codec.components() if c.name == part)
-            raise evidence.array_refusal(self.loc.url, entry, kind, comp, str(exc).splitlines()[0][:120]) from None
+            raise evidence.array_refusal(self.loc.url, entry, kind, self._component(part),
+                                         str(exc).splitlines()[0][:120]) from None
+
+    def _component(self, part: str):
+        return next(c for c in self.codec.components() if c.name == part)
 
     def zarr_store(self, writable: bool = False):
         if writable not in self._zstores:
