@@ -47,8 +47,14 @@ def parse_args(argv):
                     help="ask only the first N of each set's questions (the corpus stays --per-set's)")
     ap.add_argument("--k", default="3,5")
     ap.add_argument("--codecs", default="bf16,int8,int4,k8v4,k2v4",
-                    help="codecs compared with float32; tc@STEP[vSTEP][-nopred][-notransform][-noentropy] adds a "
-                         "transform-coding probe (tc_probe.py) at that key (and value) quantiser step")
+                    help="codecs compared with float32; tc:KEY/VALUE[-nopred][-notransform][-noentropy] adds the "
+                         "transform codec at those quantiser steps, calibrated on --calibration-store (-noentropy: "
+                         "the same reconstruction with fixed-length symbols, its size counted, not written); "
+                         "tc@STEP[vSTEP][...] the numpy probe (tc_probe.py)")
+    ap.add_argument("--calibration-store", default=None,
+                    help="the store tc: codecs are calibrated on (default: the offline preset's calibration corpus, "
+                         "benchmarks/calibration_corpus.py, encoded float32 here)")
+    ap.add_argument("--calibration-passages", type=int, default=250)
     ap.add_argument("--fuser", default=OFFLINE_FUSER)
     ap.add_argument("--distractors", type=int, default=60, help="paragraphs per set beyond the questions' own")
     ap.add_argument("--threads", type=int, default=2)
@@ -61,7 +67,7 @@ def parse_args(argv):
 # ---------------------------------------------------------------- stores
 
 
-def build_stores(name: str, passages, session, codecs: list[str], tag: str) -> tuple[dict[str, str], dict]:
+def build_stores(name: str, passages, session, codecs: list[str], tag: str, args) -> tuple[dict[str, str], dict]:
     """A float32 store of the set's paragraphs and its transcodes, one url per codec; and the
     byte figures of each (for `tc@...` probes: the probe's measured bits, see `tc_probe.py`)."""
     from p3_codecs import bytes_per_token, transcode
@@ -71,13 +77,62 @@ def build_stores(name: str, passages, session, codecs: list[str], tag: str) -> t
     bc.ensure_store(urls["float32"], passages, session, codec="float32")
     sizes = {}
     for codec in codecs:
-        urls[codec] = f"{base}-{codec}"
+        urls[codec] = f"{base}-{codec.replace('/', 'v')}"
         if codec.startswith("tc@"):
             sizes[codec] = probe_store(urls["float32"], urls[codec], codec)
-            continue
-        transcode(urls["float32"], urls[codec], codec)
-        sizes[codec] = bytes_per_token(urls[codec])
+        elif codec.startswith("tc:") and codec.endswith("-noentropy"):
+            sizes[codec] = fixed_length_size(calibration(codec.removesuffix("-noentropy"), session, args),
+                                             bytes_per_token(urls[codec.removesuffix("-noentropy")]))
+        elif codec.startswith("tc:"):
+            transcode(urls["float32"], urls[codec], "tc", {"calibration": calibration(codec, session, args)})
+            sizes[codec] = bytes_per_token(urls[codec])
+        else:
+            transcode(urls["float32"], urls[codec], codec)
+            sizes[codec] = bytes_per_token(urls[codec])
     return urls, sizes
+
+
+_CALIBRATIONS: dict = {}
+
+
+def calibration(codec: str, session, args):
+    """The calibration of `tc:KEY/VALUE[-nopred][-notransform]`, fitted once on the calibration store."""
+    from cachegraft_cli.encoding.calibration import fit_from_store
+    from cachegraft_cli.store.transform import FitSettings
+
+    if codec not in _CALIBRATIONS:
+        steps, *flags = codec[3:].split("-")
+        key_step, value_step = (float(v) for v in steps.split("/"))
+        settings = FitSettings(key_step=key_step, value_step=value_step, predict="nopred" not in flags,
+                               transform="notransform" not in flags)
+        t0 = time.perf_counter()
+        _CALIBRATIONS[codec] = fit_from_store(calibration_store(session, args), settings)[0]
+        bc.log(f"{codec}: calibrated on {_CALIBRATIONS[codec].info['tokens']:,} tokens in "
+               f"{time.perf_counter() - t0:.0f}s ({len(_CALIBRATIONS[codec].to_bytes()):,} bytes)")
+    return _CALIBRATIONS[codec]
+
+
+def calibration_store(session, args) -> str:
+    if args.calibration_store:
+        return args.calibration_store
+    from calibration_corpus import passages as corpus
+
+    from cachegraft_cli.corpus import Passage
+
+    picked = [Passage(f"{name}-{i}", name, text) for i, (name, text) in enumerate(corpus(120))]
+    url = str(bc.WORK_DIR / f"calibration-pydoc-{bc.DTYPE or 'auto'}-n{args.calibration_passages}-float32")
+    bc.ensure_store(url, picked[: args.calibration_passages], session, codec="float32")
+    args.calibration_store = url
+    return url
+
+
+def fixed_length_size(cal, coded: dict) -> dict:
+    """The -noentropy ablation: the tc store's reconstruction with each coded component's symbols
+    in fixed-length fields (ceil(log2(2R+1)) bits), plus the same group heads and positions."""
+    radius = cal.arrays["radius"][np.maximum(cal.arrays["klass"], 0)]
+    bits = np.where(cal.arrays["klass"] >= 0, np.ceil(np.log2(2 * radius + 1)), 0).sum()
+    per_token = bits / 8 + 3 * 4 / cal.info["group"] + 4
+    return {**coded, "bytes_per_token": float(per_token), "ratio": float(per_token / coded["raw_bf16"])}
 
 
 def probe_store(src: str, dst: str, name: str) -> dict:
@@ -217,7 +272,7 @@ def run_set(name: str, path: str, args, session, codecs: list[str], ks: list[int
     questions = questions[: args.ask] if args.ask else questions
     same = {c: c.removesuffix("-noentropy") for c in codecs if c.endswith("-noentropy")}  # same reconstruction
     run = [c for c in codecs if c not in same]
-    urls, sizes = build_stores(name, passages, session, codecs, tag)
+    urls, sizes = build_stores(name, passages, session, codecs, tag, args)
     askers = {c: Asker(u, session=session) for c, u in urls.items() if c not in same}
     lm, tok = session.receiver, session.tokenizer
     stops = stop_ids(lm)

@@ -45,14 +45,16 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def transcode(src_url: str, dst_url: str, codec: str) -> None:
-    """Write the source store's fused caches (decoded, bit-exact for bf16) into a new `codec` store."""
+def transcode(src_url: str, dst_url: str, codec: str, codec_params: dict | None = None) -> None:
+    """Write the source store's fused caches (decoded, bit-exact for bf16) into a new `codec` store
+    (`codec_params`: e.g. the tc codec's {"calibration": Calibration})."""
     from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.store import CacheStore
 
     src = CacheStore.open(src_url)
-    stale(dst_url, codec, src.geometry)
-    dst = CacheStore.create(dst_url, {**src.identity, "codec": codec}, src.prefix(), src.kinds)
+    stale(dst_url, codec, src.geometry, codec_params)
+    dst = CacheStore.create(dst_url, {**src.identity, "codec": codec}, src.prefix(), src.kinds,
+                            codec_params=codec_params)
     todo = [r for r in src.rows() if r.id not in dst]
     if todo:
         with dst.writer({"tool": "benchmarks/p3_codecs.py transcode", "from": src_url}) as w:
@@ -61,7 +63,7 @@ def transcode(src_url: str, dst_url: str, codec: str) -> None:
     build_store_index(dst_url, "bm25")
 
 
-def stale(url: str, codec: str, geometry: dict) -> None:
+def stale(url: str, codec: str, geometry: dict, codec_params: dict | None = None) -> None:
     """Remove a store made with other codec parameters (e.g. symmetric int4, before zero
     points): the codec parameters are not part of a store's identity, so create() would
     reuse it."""
@@ -75,7 +77,7 @@ def stale(url: str, codec: str, geometry: dict) -> None:
         old = CacheStore.open(url)
     except StoreNotFoundError:
         return
-    if old.codec.params != get_codec(codec, geometry).params:
+    if old.codec.params != get_codec(codec, geometry, codec_params).params:
         bc.log(f"{url}: codec parameters {old.codec.params} are not today's; rebuilding it")
         shutil.rmtree(url)
 

@@ -121,6 +121,27 @@ class Timed:
             self.seconds += time.process_time() - t0
 
 
+_FITTED: dict = {}
+
+
+def codec_params(codec: str, geometry: dict, data: np.ndarray) -> dict | None:
+    """The transform codec's calibration, fitted once per geometry on up to 1,500 tokens of `data`
+    (as passages of 150; random caches have no structure to find, so its bytes here are not real KV's:
+    see --receiver and benchmarks/codec_fidelity.py); None for the other codecs."""
+    if codec != "tc":
+        return None
+    key = json.dumps(geometry, sort_keys=True)
+    if key not in _FITTED:
+        from cachegraft_cli.store import transform as tf
+
+        t0 = time.perf_counter()
+        starts = range(0, min(1500, len(data) - 149), 150)
+        _FITTED[key] = tf.fit([data[i: i + 150] for i in starts], tf.FitSettings(), "writer_speed")
+        print(f"# tc calibration for {geometry} fitted in {time.perf_counter() - t0:.1f}s "
+              f"({len(_FITTED[key].to_bytes()):,} bytes)", file=sys.stderr)
+    return {"calibration": _FITTED[key]}
+
+
 def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> tuple:
     """CPU seconds of one writer session (create not counted): add every passage, commit; and of
     the codec's quantising within it."""
@@ -129,7 +150,8 @@ def write_once(codec: str, geometry: dict, data: np.ndarray, args) -> tuple:
     shape = data.shape[1:]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32),
-                                  compressor=compressors()[args.compressor])
+                                  compressor=compressors()[args.compressor],
+                                  codec_params=codec_params(codec, geometry, data))
         items = list(passages(data, args.tokens, args.passage_tokens, args.input))
         timed = Timed(store.codec)
         t0 = time.process_time()
@@ -149,7 +171,8 @@ def read_cell(codec: str, geometry: dict, data: np.ndarray, reps: int = 40) -> d
     shape = data.shape[1:]
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
-        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32))
+        store = CacheStore.create(f"{tmp}/s", identity(codec, geometry), np.zeros((0,) + shape, np.float32),
+                                  codec_params=codec_params(codec, geometry, data))
         with store.writer() as w:
             for i in range(40):
                 off = (i * 97) % (len(data) - 150)
@@ -219,7 +242,8 @@ def main() -> None:
 
     wanted = [c for c in args.codecs.split(",") if c] or list(CODECS)
     if args.receiver:
-        for row in error_rows(real_kv(args.receiver, args.corpus, args.passages), [c for c in wanted if c in CODECS]):
+        for row in error_rows(real_kv(args.receiver, args.corpus, args.passages),
+                              [c for c in wanted if c in CODECS and c != "tc"]):  # tc: codec_fidelity.py
             print(json.dumps(row) if args.json else
                   f"real KV {row['codec']:8s} {row['bytes_per_token']:8.1f} B/token ({row['ratio_to_raw_bf16']:.3f}x "
                   f"raw, nominal {row['nominal_bytes_per_token']:.0f})  rel RMS error K {row['rel_rms_k']:.4f} "

@@ -239,6 +239,7 @@ def encode(
     compressor: str | None = None,
     mismatched_sharer: bool | None = None,
     sharer_notes: int | None = None,
+    calibration: str | Path | None = None,
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
@@ -263,7 +264,8 @@ def encode(
     overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`;
     `compressor="none"` trades 10-20% more bytes for about 40% less writer CPU;
     `mismatched_sharer=True` makes the control store `system="mismatched"` reads;
-    `sharer_notes=N` stores and fuses up to N tokens of the sharer's notes with each passage).
+    `sharer_notes=N` stores and fuses up to N tokens of the sharer's notes with each passage;
+    `calibration` is a new `codec="tc"` store's calibration file, default the preset fuser's).
     `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings in `ray`).
     Re-encoding what is stored is skipped without loading any model; `planned(n)`
     hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""
@@ -280,7 +282,8 @@ def encode(
     settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
                                 "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep,
                                 "compressor": compressor, "mismatched_sharer": mismatched_sharer,
-                                "sharer_notes": sharer_notes}
+                                "sharer_notes": sharer_notes,
+                                "calibration": str(calibration) if isinstance(calibration, Path) else calibration}
     chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
     ray_options = _runner(runner, ray, device)  # checked before the corpus is read
     if isinstance(corpus, (str, Path)):

@@ -176,7 +176,7 @@ class ModelSession:
 
     def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None,
                              compressor: str | None = None, sharer_input: dict | None = None,
-                             notes: dict | None = None):
+                             notes: dict | None = None, codec_params: dict | None = None):
         """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
         or the existing one (identity checked). A store that already keeps own caches goes on
         keeping them, asked or not."""
@@ -192,7 +192,7 @@ class ModelSession:
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         with writing(target.name, "create the store"):
             return target.create(self.identity(codec, keep, sharer_input, notes), prefix,
-                                 store.kinds if store is not None else kinds, compressor)
+                                 store.kinds if store is not None else kinds, compressor, codec_params)
 
     def names_match(self, store) -> bool:
         """Whether this session names the receiver, fuser and (where it ran one) sharer the store

@@ -141,3 +141,30 @@ def indexed_store(root, words, receiver, commit_every: int) -> dict:
     opened = CacheStore.open(str(store))
     return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids()))), "corpus": corpus,
             "receiver": str(receiver), "segments": len(opened.segments)}
+
+
+# ---- the transform codec: caches with structure, and calibrations fitted on them
+
+def structured_cache(rng, tokens: int, geometry: dict | None = None, offset: int = 4) -> np.ndarray:
+    """A cache `(tokens, L, 2, H, D)` shaped like a model's: every layer's keys and values are
+    mixes of a few shared latent features (the mixes fixed per geometry, so calibration and test
+    caches share them) plus noise, and the keys are RoPE-rotated to positions offset + 0, 1, ..."""
+    from cachegraft_cli.store import transform as tf
+
+    g = geometry or GEOMETRY
+    layers, heads, dim = g["layers"], g["kv_heads"], g["head_dim"]
+    mix = np.random.default_rng(1234).normal(0, 1, (layers, 2, 4, heads * dim))
+    latent = rng.normal(0, 1, (tokens, 4))
+    x = np.einsum("tr,lkrc->tlkc", latent, mix) + rng.normal(0, 0.05, (tokens, layers, 2, heads * dim))
+    x = x.reshape(tokens, layers, 2, heads, dim).astype(np.float32)
+    x[:, :, 0] = tf.rotate(x[:, :, 0], offset + np.arange(tokens), tf.inv_frequencies(10000.0, dim), 1)
+    return x
+
+
+def tc_calibration(geometry: dict | None = None, seed: int = 0, passages: int = 12, **settings):
+    """A transform-codec calibration fitted on `passages` structured caches of 50 tokens."""
+    from cachegraft_cli.store import transform as tf
+
+    rng = np.random.default_rng(seed)
+    caches = [structured_cache(rng, 50, geometry) for _ in range(passages)]
+    return tf.fit(caches, tf.FitSettings(rope_theta=10000.0, position_offset=4, **settings), source="tests")

@@ -53,6 +53,9 @@ def encode(
         min=0, max=1024, help="The sharer writes up to N tokens of notes about each passage (key facts as "
                               "question-answer pairs); they are stored and fused with it (default: the store's, "
                               "0 = none for a new one).")] = None,
+    calibration: Annotated[Optional[str], typer.Option(
+        help="A new --codec tc store's calibration file (from `cachegraft store calibrate`; default: the one "
+             "shipped with the preset's fuser).")] = None,
     batch_size: BatchOpt = 8,
     max_passage_tokens: Annotated[
         int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")
@@ -96,7 +99,7 @@ def encode(
 
     # Everything is checked before anything is written or any model loads (the API checks the rest).
     options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every, keep, keep_by,
-                            compressor, mismatched_sharer, sharer_notes)
+                            compressor, mismatched_sharer, sharer_notes, calibration)
     runner = _runner(runner, engine)
     ray = _ray_options(runner, address, actors, gpus_per_actor, cpus_per_actor)
     with showing_status(json_out), EncodeProgress(0) as bar:  # the plan sets its total before it shows
@@ -107,6 +110,8 @@ def encode(
                                 progress=bar, planned=bar.set_total)
     if summary.fuser == "closed" and summary.added:
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
+    if summary.note and summary.added:
+        log(f"note: {summary.note}")
     if json_out:
         emit_json(summary.as_dict())
     else:

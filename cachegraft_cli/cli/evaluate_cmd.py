@@ -96,18 +96,18 @@ def evaluate(
     """Run the paper's protocol: systems x benchmarks x k, EM/F1, judges, paired tests, report."""
     from cachegraft_cli.cli.output import showing_status
     from cachegraft_cli.config import preset_adapter
+    from cachegraft_cli.encoding.calibration import default_codec
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
     from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
     from cachegraft_cli.evaluation.variants import base_system
     from cachegraft_cli.fuser import check_fuser_spec
     from cachegraft_cli.session import ModelChoice
-    from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
     AssemblyOptions(order, scheme, recompute, blend, blend_layer).check()  # before anything loads
-    codec = codec or DEFAULT_CODEC
     EncodeOptions(codec, keep=keep, keep_by=keep_by)
     choice = ModelChoice.resolve(preset, receiver, sharer, fuser, device=device, dtype=dtype).check()
+    codec = codec or default_codec(choice.fuser)[0]  # encode's: tc where the fuser ships a calibration
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
     _check_blend_layers(choice.receiver, AssemblyOptions(order, scheme, recompute, blend, blend_layer), system_list)
     if adapter_fuser is None and any(base_system(s) == "adapter" for s in system_list):

@@ -1,4 +1,4 @@
-"""`cachegraft store info|verify|repair|compact|unlock DIR`: inspect, check, repair and compact a cache store."""
+"""`cachegraft store info|verify|repair|compact|calibrate|unlock DIR`: inspect, check, repair, compact a store."""
 
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def _info_table(report: dict):
         )
         table.add_row(f"bytes/token {kind}", text)
     _keep_rows(table, report)
+    tables = report.get("codec_tables")
+    if tables:
+        table.add_row("codec tables", f"{_fmt_bytes(tables['bytes'])} once per store ({tables['file']}): calibrated "
+                                      f"on {tables['tokens']:,} tokens of {tables['source']}")
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
@@ -118,7 +122,7 @@ def verify(
 ) -> None:
     """Check that every chunk decodes, every passage matches its checksums and the index serves the store."""
     from cachegraft_cli.cli.output import emit_json, log
-    from cachegraft_cli.errors import StoreCorruptError, UsageError
+    from cachegraft_cli.errors import StoreCorruptError, StoreMetadataError, UsageError
     from cachegraft_cli.maintenance import verify_store
 
     if reencode and not fix:
@@ -143,6 +147,10 @@ def verify(
         return
     if not report["ok"]:
         first = report["problems"][0]
+        if first["code"] == "metadata" and first["segment"] is None:
+            raise StoreMetadataError(f"{report['url']}: {first['problem']}",
+                                     hint="Restore the file from a backup: it cannot be re-derived, and no passage "
+                                          "of the store decodes without it.")
         if all(p["code"] == "control_tokens" for p in report["problems"]):
             raise StoreCorruptError(
                 f"{len(report['problems'])} passage(s) of {report['url']} were cached with control tokens parsed "
@@ -160,7 +168,7 @@ def verify(
 
 def _where(p: dict) -> str:
     if p.get("segment") is None:
-        return "index"
+        return "codec tables" if p.get("code") == "metadata" else "index"
     if p.get("passage") is None:
         return f"segment {p['segment']}"
     return f"segment {p['segment']}, passage {p['passage']!r}" + (f", {p['kind']}/{p['part']}" if p.get("kind") else "")
@@ -234,6 +242,42 @@ def _progress():
         sys.stderr.flush()
 
     return show
+
+
+@store_app.command("calibrate")
+def calibrate(
+    store: DirArg,
+    out: Annotated[str, typer.Option("--out", "-o", help="Where to write the calibration (.safetensors).")],
+    key_step: Annotated[float, typer.Option(
+        min=0.01, max=8.0, help="Keys' quantiser step, in units of each layer's RMS spread (smaller: finer, larger "
+                                "stores).")] = 0.35,
+    value_step: Annotated[float, typer.Option(min=0.01, max=8.0, help="The values' step, likewise.")] = 0.5,
+    max_tokens: Annotated[int | None, typer.Option(
+        min=1000, help="Calibrate on the store's first passages up to this many tokens (default: 50,000, fewer "
+                       "where their float32 caches would pass 1.5 GB).")] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Fit a transform-codec calibration on a store's caches, for `encode --codec tc --calibration FILE`."""
+    from pathlib import Path
+
+    from cachegraft_cli.cli.output import emit_json
+    from cachegraft_cli.encoding.calibration import fit_from_store
+    from cachegraft_cli.store import transform as tf
+
+    target = Path(out).expanduser()
+    if not target.parent.is_dir():
+        from cachegraft_cli.errors import UsageError
+
+        raise UsageError(f"the directory of {str(target)!r} does not exist.", "Create it, or write elsewhere.")
+    cal, tokens = fit_from_store(store, tf.FitSettings(key_step=key_step, value_step=value_step), max_tokens)
+    target.write_bytes(cal.to_bytes())
+    report = {"out": str(target), "tokens": tokens, "bytes": len(cal.to_bytes()), "sha256": cal.sha256,
+              "key_step": key_step, "value_step": value_step, "rope_theta": cal.info["rope_theta"]}
+    if json:
+        emit_json(report)
+        return
+    typer.echo(f"{target}: calibrated on {tokens:,} tokens of {store} ({report['bytes']:,} bytes); encode with "
+               f"--codec tc --calibration {target}")
 
 
 @store_app.command("unlock")

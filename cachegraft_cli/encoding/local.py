@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encoding import calibration
 from cachegraft_cli.encoding.donors import check_count, donor_identity
 from cachegraft_cli.encoding.notes import notes_identity
 from cachegraft_cli.encoding.plan import (
@@ -38,7 +39,6 @@ from cachegraft_cli.encoding.plan import (
     with_notes_first,
 )
 from cachegraft_cli.session import ModelSession
-from cachegraft_cli.store.codecs import DEFAULT_CODEC
 from cachegraft_cli.store.target import Target
 
 
@@ -63,7 +63,8 @@ def encode_corpus(
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
     target = Target.open(store)
-    codec = options.codec or target.codec or DEFAULT_CODEC
+    named = options.codec or target.codec
+    codec, note = (named, None) if named else calibration.default_codec(session.choice.fuser)
     keep = options.keep_for(target.keep)
     target.check(codec, options.kinds, keep, options.compressor, options.mismatched_sharer,  # before the lock
                  options.sharer_notes)
@@ -77,7 +78,9 @@ def encode_corpus(
         raise UsageError("--sharer-notes needs a sharer to write them, and none is named.",
                          "Name one with --sharer (or a preset).")
     options = replace(options.with_keep(keep), mismatched_sharer=mismatched, sharer_notes=notes)
-    summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed")
+    # a new store's codec tables (the tc calibration), read and checked before any model loads
+    params = calibration.codec_params(codec, options.calibration, session.choice.fuser, target.store is not None)
+    summary = EncodeSummary(store=target.name, fuser=session.choice.fuser or "closed", codec=codec, note=note)
     with target.locked({"tool": "cachegraft encode"}) as lock:
         stored = target.store  # up to date under the lock (another writer may have made it meanwhile)
         known = stored.content_hashes() if stored is not None else {}
@@ -92,7 +95,7 @@ def encode_corpus(
             if mismatched:
                 session.check_mismatched()
             written = session.open_or_create_store(target, codec, options.also_own_cache, keep, options.compressor,
-                                                   donor_identity(mismatched), notes_identity(notes))
+                                                   donor_identity(mismatched), notes_identity(notes), params)
             if progress:
                 progress(0, 0)
             todo = new_chunks(source, known, session.template, options)

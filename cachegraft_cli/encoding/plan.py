@@ -31,6 +31,7 @@ class EncodeOptions:
     compressor: str | None = None  # `store.layout.COMPRESSORS`; None: the store's, zstd for a new store
     mismatched_sharer: bool | None = None  # the sharer reads a donor passage (`encoding.donors`); None: the store's
     sharer_notes: int | None = None  # tokens of sharer notes per passage (`encoding.notes`); None: the store's, 0: none
+    calibration: str | None = None  # a new tc store's calibration file (`encoding.calibration`); None: the fuser's
 
     def __post_init__(self):
         from cachegraft_cli.encoding.keep import KEEP_METHODS
@@ -54,6 +55,9 @@ class EncodeOptions:
             flag("mismatched_sharer (--mismatched-sharer)", self.mismatched_sharer)
         if self.sharer_notes is not None:
             whole("sharer_notes (--sharer-notes)", self.sharer_notes, 0, 1024)
+        if self.calibration is not None and not (isinstance(self.calibration, str) and self.calibration):
+            raise UsageError(f"calibration must be a file path; got {self.calibration!r}.",
+                             "Pass --calibration FILE (from `cachegraft store calibrate`).")
         if self.keep_by is not None and self.keep_by not in KEEP_METHODS:
             raise UsageError(f"unknown keep method {self.keep_by!r}.", f"Use one of: {', '.join(KEEP_METHODS)}.")
 
@@ -96,6 +100,8 @@ class EncodeSummary:
     segments: list[str] = field(default_factory=list)
     skipped_reasons: dict = field(default_factory=dict)
     fuser: str | None = None  # the fuser spec the store's caches come from ("closed": none)
+    codec: str | None = None  # the store's codec
+    note: str | None = None  # something the user should know (e.g. why a new store got the codec it has)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,6 @@ from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.session import ModelSession
-from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
 
 def encode_into(
@@ -56,11 +55,15 @@ def encode_into(
                          "Leave out --runner ray.")
     if ray is None:
         return encode_corpus(passages, target, ModelSession(choice), options, progress, planned=planned)
+    from cachegraft_cli.encoding.calibration import default_codec
     from cachegraft_cli.encoding.ray.driver import encode_on_ray
 
-    codec = options.codec or target.codec or DEFAULT_CODEC
-    return encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
-                         planned=planned)
+    named = options.codec or target.codec
+    codec, note = (named, None) if named else default_codec(choice.fuser)
+    summary = encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
+                            planned=planned)
+    summary.codec, summary.note = codec, note
+    return summary
 
 
 def check_not_foreign(target) -> None:

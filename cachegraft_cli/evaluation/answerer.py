@@ -156,7 +156,7 @@ class StoreAnswerer:
                 codec, keep, keep_by, notes = settings
                 options = EncodeOptions(codec, self.config.encode_batch_size, also_own_cache=own, keep=keep,
                                         keep_by=keep_by if keep < 1 else None, mismatched_sharer=mismatched,
-                                        sharer_notes=notes)
+                                        sharer_notes=notes, calibration=self._calibration(codec))
                 role = ", mismatched sharer" if mismatched else (", adapter" if fuser != self.config.fuser else "")
                 what = f"{codec}, keep {keep:g}{role}" + (f", notes {notes}" if notes else "")
                 with EncodeProgress(len(rows), f"encode {benchmark_name} ({what})") as bar:
@@ -164,6 +164,14 @@ class StoreAnswerer:
                 build_store_index(url, self.config.index_kind)
         if "sharer-text" not in self.systems:
             self._release_sharers()
+
+    def _calibration(self, codec: str) -> str | None:
+        """A tc store's calibration: the one the main fuser ships, for its controls' stores too
+        (the adapter's and the mismatched sharer's caches are coded with the same tables)."""
+        from cachegraft_cli.encoding.calibration import shipped_file
+
+        path = shipped_file(self.config.fuser) if codec == "tc" else None
+        return str(path) if path else None
 
     def _release_sharers(self) -> None:
         """Answering reads stored caches: only `sharer-text` runs the sharer. Dropping it

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachegraft_cli.errors import UsageError
+from cachegraft_cli.errors import StoreError, UsageError
 
 DEFAULT_CODEC = "int8"  # a new store's, chosen by measurement (README, "Design decisions")
-CODECS = ("bf16", "int8", "int4", "k8v4", "k2v4", "int2", "float32")
+CODECS = ("bf16", "int8", "int4", "k8v4", "k2v4", "int2", "float32", "tc")
 
 
 @dataclass(frozen=True)
@@ -124,17 +124,33 @@ class Codec:
         """Component rows of a staged block, as torch tensors on the block's device."""
         raise NotImplementedError
 
-    def encode_staged(self, block) -> dict[str, np.ndarray]:
-        """Component rows of a staged block, encoded on its device and brought to the CPU as numpy."""
+    def encode_staged(self, block, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Component rows of a staged block, encoded on its device and brought to the CPU as numpy.
+        `positions`: each token's index in its passage (only codecs that model RoPE use them)."""
         return {name: parts_to_numpy(part) for name, part in self.encode_tensor(block).items()}
 
-    def encode(self, x) -> dict[str, np.ndarray]:
+    def encode(self, x, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Component rows of a float32 block (numpy or torch), as numpy arrays (staged as the
-        writer stages it, so both give the same bytes)."""
+        writer stages it, so both give the same bytes); by default one passage from its start."""
         t = as_tensor(x)
         staged = _torch().empty(tuple(t.shape), dtype=self.stage_dtype(t), device=t.device)
         self.stage(x, staged)
-        return self.encode_staged(staged)
+        return self.encode_staged(staged, np.arange(len(t)) if positions is None else positions)
+
+    @classmethod
+    def check_geometry(cls, geometry: dict) -> None:
+        """Refuse a geometry this codec cannot hold (with its default parameters)."""
+        cls(geometry)
+
+    def bind(self, loc) -> None:
+        """The store this codec reads and writes: codecs with store-level tables load them from it."""
+
+    def install(self, loc) -> None:
+        """Write what the codec keeps once per store (before the store's root metadata)."""
+
+    def tables(self) -> dict | None:
+        """What the codec keeps once per store (`store info`), or None."""
+        return None
 
     def decode(self, parts: dict[str, np.ndarray], start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) from component rows `Component.rows(start, stop)`."""
@@ -143,6 +159,20 @@ class Codec:
     def nominal_bytes_per_token(self) -> float:
         """Uncompressed stored bytes per token (grouped parts amortised over full groups)."""
         return float(sum(np.dtype(c.dtype).itemsize * np.prod(c.tail) / c.stride for c in self.components()))
+
+
+_BLAS = None
+
+
+def one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread: the transform codec's matrices are small,
+    and a BLAS pool spinning beside torch's (or another process) costs 5x on 2 cores (measured)."""
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
 
 
 def parts_to_numpy(t) -> np.ndarray:
@@ -363,7 +393,184 @@ class Int2Codec(KiviCodec):
     DEFAULTS = {"key_bits": 2, "value_bits": 2, "key_group": 128, "value_group": 32}
 
 
-_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K8V4Codec, K2V4Codec, Int2Codec, Float32Codec)}
+class TransformCodec(Codec):
+    """Transform coding with a calibration kept once per store (store/transform.py, store/entropy.py):
+    keys without RoPE; each layer predicted from the one rebuilt before it; the residual in a PCA
+    basis; one step per layer and K/V; static per-class ANS models. Tokens are coded in groups of
+    `group` into `code` rows of `group_words` uint32 words (zero-padded: zstd takes the padding);
+    `head` holds each group's [words, tokens, shift]. A group whose code would not fit, or with a
+    component beyond its class's range, is coded with its steps doubled `shift` times (caches unlike
+    the calibration's): every component's error stays within 1.5 of its group's steps.
+    `pos` keeps each token's index in its passage, the angle its keys were un-rotated by."""
+
+    name = "tc"
+    DEFAULTS = {"group": 16}
+    CALIBRATION_DIR = "codec"
+
+    def __init__(self, geometry, params=None):
+        params = dict(params or {})
+        cal = params.get("calibration")
+        self._cal = None
+        if cal is not None and not isinstance(cal, str):  # a fitted Calibration, for a new store
+            self._cal = cal
+            params.update(calibration=cal.sha256, position_offset=int(cal.info["position_offset"]),
+                          group=int(cal.info["group"]),
+                          group_words=params.get("group_words") or cal.info["group_words"])
+        super().__init__(geometry, {**self.DEFAULTS, **params})
+        self._loc = None
+        self._coder = None
+        sha, words = self.params.get("calibration"), self.params.get("group_words")
+        if not isinstance(sha, str) or len(sha) != 64 or not isinstance(words, int) or words < 1:
+            raise UsageError("the tc codec needs a calibration (a sha256 and the group_words it was sized for).",
+                             hint="Fit one with `cachegraft store calibrate`, or use another --codec.")
+        self.group, self.words = int(self.params["group"]), int(words)
+        self.offset = int(self.params.get("position_offset", 0))
+        if self._cal is not None:
+            self._check_calibration(self._cal)
+
+    @classmethod
+    def check_geometry(cls, geometry: dict) -> None:
+        if _geometry(geometry)[2] % 2:
+            raise UsageError(f"the tc codec needs an even head_dim (RoPE pairs); got {geometry}.",
+                             hint="Use --codec int8.")
+
+    def components(self) -> list[Component]:
+        return [Component("code", "uint32", self.group, (self.words,)),
+                Component("head", "uint32", self.group, (3,)),
+                Component("pos", "uint32", 1, (1,))]
+
+    @property
+    def calibration_path(self) -> str:
+        return f"{self.CALIBRATION_DIR}/tc-{self.params['calibration']}.safetensors"
+
+    def bind(self, loc) -> None:
+        self._loc = loc
+
+    def install(self, loc) -> None:
+        if self._cal is not None and not loc.exists(self.calibration_path):
+            loc.write_bytes_atomic(self.calibration_path, self._cal.to_bytes())
+
+    def tables(self) -> dict:
+        cal = self.calibration()
+        keep = ("source", "tokens", "passages", "key_step", "value_step", "rope_theta", "predict", "transform")
+        return {"file": self.calibration_path, "bytes": len(cal.to_bytes()), "sha256": self.params["calibration"],
+                **{k: cal.info.get(k) for k in keep}}
+
+    def calibration(self):
+        """The store's calibration, checked against its sha256 on first use."""
+        if self._cal is None:
+            self._cal = self._load()
+        return self._cal
+
+    def _load(self):
+        import hashlib
+
+        from cachegraft_cli.errors import StoreMetadataError
+        from cachegraft_cli.store.transform import Calibration
+
+        where = f"{getattr(self._loc, 'url', '?')}/{self.calibration_path}"
+        try:
+            data = self._loc.read_bytes(self.calibration_path)
+        except Exception as exc:  # noqa: BLE001 - missing or unreadable: the same refusal
+            raise StoreMetadataError(f"the transform codec's calibration {where} does not read ({exc}).",
+                                     hint="Restore it from a backup; no passage of the store decodes without it.") \
+                from None
+        if hashlib.sha256(data).hexdigest() != self.params["calibration"]:
+            raise StoreMetadataError(f"the transform codec's calibration {where} does not match its sha256 in "
+                                     "zarr.json.", hint="Restore the file from a backup; it cannot be re-derived.")
+        cal = Calibration.from_bytes(data)
+        self._check_calibration(cal)
+        return cal
+
+    def _check_calibration(self, cal) -> None:
+        from cachegraft_cli.errors import StoreMetadataError
+
+        want = {"layers": self.layers, "kv_heads": self.heads, "head_dim": self.head_dim}
+        if cal.info.get("geometry") != want:
+            raise StoreMetadataError(f"transform-codec calibration is for geometry {cal.info.get('geometry')}, the "
+                                     f"store holds {want}.", hint="Fit a calibration on this model's caches.")
+
+    def coder(self):
+        if self._coder is None:
+            from cachegraft_cli.store.entropy import GroupCoder
+
+            cal = self.calibration()
+            self._coder = GroupCoder(cal.arrays["klass"], cal.class_probabilities(), cal.arrays["radius"])
+        return self._coder
+
+    def encode_staged(self, block, positions=None):
+        from cachegraft_cli.store import transform as tf
+
+        x = block.detach().to(_torch().float32).cpu().numpy() if hasattr(block, "detach") else \
+            np.asarray(block, np.float32)
+        if not np.isfinite(x).all():
+            raise StoreError("a cache holds NaN or infinite values; the transform codec codes finite ones only.",
+                             hint="Check the model's dtype (float16 overflows); use --codec bf16 to keep them.")
+        t, g = len(x), self.group
+        n = -(-t // g)
+        pos = np.arange(t) if positions is None else np.asarray(positions, np.int64)
+        cal = self.calibration()
+        code, head = np.zeros((n, self.words), np.uint32), np.zeros((n, 3), np.uint32)
+        head[:, 1] = [min(g, t - i * g) for i in range(n)]
+        with one_blas_thread():
+            keys, values = (grouped(a, n * g).reshape((n, g) + a.shape[1:])
+                            for a in tf.split(x, pos + self.offset, cal.arrays["inv_freq"]))
+            todo = np.arange(n)
+            while len(todo):
+                todo = self._code_groups(cal, keys, values, todo, code, head)
+        return {"code": code, "head": head, "pos": pos.astype(np.uint32).reshape(-1, 1)}
+
+    def _code_groups(self, cal, keys, values, todo, code, head) -> np.ndarray:
+        """Code groups `todo` at their shifts (`head[:, 2]`); returns those whose code did not fit
+        or clamped (their shift raised)."""
+        from cachegraft_cli.store import transform as tf
+
+        scale = np.repeat(2.0 ** head[todo, 2:3].astype(np.float64), self.group, axis=1)
+        symbols, over = tf.analyse(cal, keys[todo], values[todo], scale)
+        again = []
+        for j, i in enumerate(todo.tolist()):
+            m = int(head[i, 1])
+            words = self.coder().encode(symbols[j, :m])
+            if len(words) <= self.words and not over[j, :m].any():
+                code[i, : len(words)], head[i, 0] = words, len(words)
+            elif head[i, 2] >= 24:
+                raise StoreError("a cache does not fit the transform codec's rows even with its steps 2^24 times "
+                                 "coarser: it is not a cache of this model.",
+                                 hint="Check the caches; use --codec int8.")
+            else:
+                head[i, 2] += 1
+                again.append(i)
+        return np.array(again, np.int64)
+
+    def decode(self, parts, start, stop):
+        with one_blas_thread():
+            return self._decode(parts, start, stop)
+
+    def _decode(self, parts, start, stop):
+        from cachegraft_cli.store import transform as tf
+
+        cal, g, heads = self.calibration(), self.group, parts["head"].astype(np.int64)
+        n, c = len(heads), self.heads * self.head_dim
+        symbols = np.zeros((n, g, self.layers, 2, c), np.int32)
+        for i, (words, h) in enumerate(zip(parts["code"], heads)):
+            symbols[i, : h[1]] = self.coder().decode(words[: h[0]], int(h[1])).reshape(-1, self.layers, 2, c)
+        rk, rv = tf.synthesise(cal, symbols, np.repeat(2.0 ** heads[:, 2:3], g, axis=1))
+        valid = (np.arange(g)[None, :] < heads[:, 1:2]).reshape(-1)  # a segment's last group may be short
+        first = start // g * g
+        rk, rv = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (rk, rv))
+        pos = parts["pos"][:, 0].astype(np.int64) + self.offset
+        return tf.join(rk, rv, pos, cal.arrays["inv_freq"], self.heads)
+
+
+def grouped(a: np.ndarray, tokens: int) -> np.ndarray:
+    """`a` zero-padded along its first axis to `tokens` rows."""
+    out = np.zeros((tokens,) + a.shape[1:], a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+_BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K8V4Codec, K2V4Codec, Int2Codec, Float32Codec,
+                                TransformCodec)}
 
 
 def get_codec(name: str, geometry: dict, params: dict | None = None, stored: bool = False) -> Codec:
@@ -375,6 +582,13 @@ def get_codec(name: str, geometry: dict, params: dict | None = None, stored: boo
     if stored:
         params = {**cls.STORED_DEFAULTS, **(params or {})}
     return cls(geometry, params)
+
+
+def check_codec(name: str, geometry: dict) -> None:
+    """That `name` is a codec that can hold caches of `geometry` (before its parameters exist)."""
+    if name not in _BY_NAME:
+        raise UsageError(f"unknown cache codec {name!r}.", hint=f"Use one of: {', '.join(CODECS)}.")
+    _BY_NAME[name].check_geometry(geometry)
 
 
 def codec_bytes_per_token(codec: str, geometry: dict, params: dict | None = None) -> float:

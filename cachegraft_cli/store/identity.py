@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from cachegraft_cli.errors import StoreMismatchError, UsageError
-from cachegraft_cli.store.codecs import get_codec
+from cachegraft_cli.store.codecs import check_codec
 from cachegraft_cli.store.layout import IDENTITY_KEYS
 
 
@@ -31,7 +31,7 @@ def validate(identity: dict) -> dict:
     if not isinstance(geometry, dict) or not all(isinstance(geometry.get(k), int) and geometry[k] > 0
                                                   for k in ("layers", "kv_heads", "head_dim")):
         raise UsageError(f"store geometry must give positive ints layers, kv_heads, head_dim; got {geometry!r}.")
-    get_codec(ident["codec"], geometry)  # unknown codec or unfit geometry fails here
+    check_codec(ident["codec"], geometry)  # unknown codec or unfit geometry fails here
     return ident
 
 

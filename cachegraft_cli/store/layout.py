@@ -17,7 +17,9 @@ import os
 import socket
 import uuid
 
-FORMAT_VERSION = 2  # 2: binary row tables (rows.bin); format 1 stores (rows.json) are still read and appended to
+# 2: binary row tables (rows.bin); format 1 stores (rows.json) are still read and appended to.
+# 3: a store-level codec file (the transform codec's calibration under codec/); other stores stay 2
+FORMAT_VERSION = 3
 ROOT_META = "zarr.json"
 MANIFEST = "manifest.json"
 LOCK = "writer.lock"

@@ -146,11 +146,18 @@ def rebuild_manifest(loc: Location, rows_file: str, aside: Quarantine | None = N
                 listed.append(adopted)
     stamp = now_iso()
     retired = [{"name": e["name"], "retired": stamp} for e in entries if e["name"] in merged - replaced]
-    manifest = {**segments.empty_manifest(), "generation": 1, "segments": listed}
+    manifest = {**segments.empty_manifest(_root_version(loc)), "generation": 1, "segments": listed}
     if retired:
         manifest["retired"] = retired
     loc.write_json_atomic(MANIFEST, manifest)
     return len(listed)
+
+
+def _root_version(loc: Location) -> int:
+    """The store's format version, as its root metadata says (the manifest's must not exceed it)."""
+    from cachegraft_cli.store.store import read_meta
+
+    return int(read_meta(loc).get("format_version", 1))
 
 
 def _commit_again(loc: Location, name: str, rows_file: str, aside: Quarantine) -> dict | None:
@@ -275,7 +282,8 @@ def _drop_damaged(store, report: RepairReport, aside: Quarantine, extra: list[di
     found["problems"] += _asked(store, extra)
     contradictions = [p for p in found["problems"] if p["code"] == "metadata"]
     if contradictions:  # never turned into dropped rows
-        raise StoreMetadataError(f"store {store.loc.url}: segment {contradictions[0]['segment']}: "
+        segment = contradictions[0]["segment"]
+        raise StoreMetadataError(f"store {store.loc.url}: {f'segment {segment}: ' if segment else ''}"
                                  f"{contradictions[0]['problem']}", hint="Restore that file from a backup, then "
                                  f"run `cachegraft store repair {store.loc.url}` again.")
     drop: dict[str, dict[int, str]] = {}

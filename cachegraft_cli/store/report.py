@@ -41,6 +41,8 @@ def info(store) -> dict:
         "bytes": {"total": sum(per_kind.values()), "per_kind": per_kind},
         "bytes_per_token": measured,
         "nominal_bytes_per_token": store.codec.nominal_bytes_per_token(),
+        # kept once per store, not per token (the transform codec's calibration); None for other codecs
+        "codec_tables": store.codec.tables(),
         "raw_bf16_bytes_per_token": raw,
         "ratio_to_raw_bf16": {k: (v / raw if v is not None else None) for k, v in measured.items()},
         "keep": store.keep,

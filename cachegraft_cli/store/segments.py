@@ -23,8 +23,9 @@ from cachegraft_cli.store.location import Location
 from cachegraft_cli.store.rows import SegmentTable, parse_table, table_to_bin, table_to_json
 
 
-def empty_manifest() -> dict:
-    return {"format_version": FORMAT_VERSION, "generation": 0, "updated": now_iso(), "segments": []}
+def empty_manifest(version: int = FORMAT_VERSION) -> dict:
+    """A manifest listing nothing, of the root metadata's format `version`."""
+    return {"format_version": version, "generation": 0, "updated": now_iso(), "segments": []}
 
 
 def load_manifest(loc: Location) -> dict:

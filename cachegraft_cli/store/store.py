@@ -17,7 +17,7 @@ from cachegraft_cli.errors import (
     UsageError,
 )
 from cachegraft_cli.store import checksums, evidence, identity as ident_mod, segments
-from cachegraft_cli.store.codecs import get_codec, raw_bf16_bytes_per_token
+from cachegraft_cli.store.codecs import Codec, get_codec, raw_bf16_bytes_per_token
 from cachegraft_cli.store.counting import CountingStore, ReadStats
 from cachegraft_cli.store.layout import (
     DEFAULT_CHUNK_TOKENS,
@@ -45,6 +45,7 @@ class CacheStore:
         self.kinds: tuple[str, ...] = tuple(meta["kinds"])
         self.geometry: dict = self.identity["geometry"]
         self.codec = get_codec(self.identity["codec"], self.geometry, meta.get("codec_params"), stored=True)
+        self.codec.bind(loc)
         self.chunk_tokens: int = meta["chunk_tokens"]
         self.shard_tokens: int = meta["shard_tokens"]
         self.compressor: dict = meta["compressor"]
@@ -83,7 +84,10 @@ class CacheStore:
         if "fused" not in kinds or len(set(kinds)) != len(kinds):
             raise UsageError(f"cache kinds must be distinct and include 'fused'; got {list(kinds)}.")
         prefix = _check_prefix(prefix, ident)
-        meta = _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params)
+        meta, codec = _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params)
+        if loc.local:
+            os.makedirs(loc.root, exist_ok=True)
+        codec.install(loc)  # store-level codec tables before the root metadata that names them
         _write_new_store(loc, meta, prefix)
         return cls.open(url, storage_options=storage_options)
 
@@ -432,7 +436,7 @@ def half_created(loc: Location) -> bool:
     from cachegraft_cli.store.layout import LOCK, MANIFEST, SEGMENTS
 
     names = {n for n in loc.list_names("") if not is_temp(n)}
-    return names <= {ROOT_META, PREFIX, MANIFEST, LOCK, SEGMENTS} and not loc.list_names(SEGMENTS)
+    return names <= {ROOT_META, PREFIX, MANIFEST, LOCK, SEGMENTS, "codec"} and not loc.list_names(SEGMENTS)
 
 
 def _check_kinds(store: CacheStore, kinds: tuple) -> None:
@@ -454,7 +458,7 @@ def _check_prefix(prefix, ident: dict) -> np.ndarray:
     return prefix
 
 
-def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params) -> dict:
+def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params) -> tuple[dict, Codec]:
     chunk = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
     codec = get_codec(ident["codec"], ident["geometry"], codec_params)
     strides = [c.stride for c in codec.components()] + [chunk]
@@ -465,9 +469,11 @@ def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params
     if chunk < 1 or any(shard % s for s in strides):
         raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group "
                          f"{strides}.")
-    return {"format_version": FORMAT_VERSION, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
+    # format 3 only where it is needed (a store-level codec file): builds that read 2 keep reading the rest
+    version = FORMAT_VERSION if codec.name == "tc" else 2
+    return {"format_version": version, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
             "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
-            "created": now_iso()}
+            "created": now_iso()}, codec
 
 
 def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
@@ -486,5 +492,5 @@ def _write_new_store(loc: Location, meta: dict, prefix: np.ndarray) -> None:
                             chunks=prefix.shape if len(prefix) else (1,) + prefix.shape[1:], overwrite=True)
     arr[...] = prefix
     if not loc.exists(MANIFEST):
-        loc.write_json_atomic(MANIFEST, segments.empty_manifest())
+        loc.write_json_atomic(MANIFEST, segments.empty_manifest(meta["format_version"]))
     loc.write_json_atomic(ROOT_META, {"zarr_format": 3, "node_type": "group", "attributes": {"cachegraft": meta}})

@@ -121,13 +121,13 @@ class Target:
             yield lock
 
     def create(self, identity: dict, prefix: np.ndarray, kinds: tuple[str, ...],
-               compressor: str | None = None) -> CacheStore:
-        """The store for `identity`: made now (with the named `compressor`, zstd by default), or the
-        existing one (its identity checked against it)."""
+               compressor: str | None = None, codec_params: dict | None = None) -> CacheStore:
+        """The store for `identity`: made now (with the named `compressor`, zstd by default, and
+        `codec_params`), or the existing one (its identity checked against it)."""
         if self.store is None:
             from cachegraft_cli.store.layout import COMPRESSORS
 
-            self.store = CacheStore.create(self.loc, identity, prefix, kinds,
+            self.store = CacheStore.create(self.loc, identity, prefix, kinds, codec_params=codec_params,
                                            compressor=COMPRESSORS[compressor] if compressor else None)
         else:
             from cachegraft_cli.store import identity as ident_mod

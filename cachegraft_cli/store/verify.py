@@ -23,6 +23,11 @@ def verify(store, progress=None) -> dict:
     """Report problems naming segment and passage; never raises for damage (the CLI does)."""
     problems: list[dict] = []
     total = sum(e["tokens"] for e in store.segments if e["name"] not in store.missing) * len(store.kinds)
+    tables = _tables_problem(store)
+    if tables:  # without its codec tables (the tc calibration) no passage decodes: none is judged
+        return {"ok": False, "url": store.loc.url, "segments": len(store.segments),
+                "rows": sum(len(t) for t in store.tables), "tokens": total // max(len(store.kinds), 1),
+                "problems": [tables]}
     done = [0]
 
     def advance(n: int) -> None:
@@ -42,6 +47,16 @@ def verify(store, progress=None) -> dict:
     return {"ok": not problems, "url": store.loc.url, "segments": len(store.segments),
             "rows": sum(len(t) for t in store.tables), "tokens": total // max(len(store.kinds), 1),
             "problems": problems}
+
+
+def _tables_problem(store) -> dict | None:
+    """The codec's store-level tables, read and checked (sha256, geometry), or the problem."""
+    try:
+        store.codec.tables()
+    except StoreMetadataError as exc:
+        return {"segment": None, "passage": None, "row": None, "kind": None, "part": None, "problem": exc.message,
+                "code": "metadata"}
+    return None
 
 
 def _problem(table, row, kind, part, text, code) -> dict:

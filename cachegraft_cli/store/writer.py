@@ -49,6 +49,7 @@ class StoreWriter:
         # encoded there (quantised on the GPU that fused it) and written as one new shard
         self._block: dict | None = None
         self._buffered = 0
+        self._positions = np.zeros(store.shard_tokens, np.int64)  # each buffered token's index in its passage
         self._written = 0
         self._arrays: dict = {}
         self._compressors = {c.dtype: shards.numcodecs_compressor(segments.compressor_for(store.compressor, c.dtype))
@@ -137,6 +138,7 @@ class StoreWriter:
             for kind, x in caches.items():
                 part = x if take == n else x[done: done + take]
                 self.store.codec.stage(part, block[kind][self._buffered: self._buffered + take])
+            self._positions[self._buffered: self._buffered + take] = np.arange(done, done + take)
             self._buffered += take
             done += take
             if self._buffered == shard:
@@ -158,15 +160,16 @@ class StoreWriter:
 
     def _flush(self) -> None:
         if self._buffered and self._block is not None:
-            self._write_block({k: b[: self._buffered] for k, b in self._block.items()})
+            self._write_block({k: b[: self._buffered] for k, b in self._block.items()},
+                              self._positions[: self._buffered])
             self._buffered = 0
 
-    def _write_block(self, block: dict) -> None:
+    def _write_block(self, block: dict, positions: np.ndarray) -> None:
         start = self._written
         stop = start + len(next(iter(block.values())))
         comps = self.store.codec.components()
         for kind, x in block.items():
-            parts = self.store.codec.encode_staged(x)
+            parts = self.store.codec.encode_staged(x, positions)
             for comp in comps:
                 self._write_shard(kind, comp, start, parts[comp.name])
             checksums.feed(self.spans, self.crcs, kind, comps, parts, start, stop)

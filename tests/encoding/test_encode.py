@@ -176,3 +176,36 @@ def test_one_encode_parses_the_store_once_and_reads_its_metadata_once(session, t
     summary = encode_into(url, _passages(2), EncodeOptions(), receiver=session.choice.receiver, dtype="float32")
     assert summary.skipped_existing == 2 and summary.added == 0
     assert parses == [url] and len(metas) == 1
+
+
+def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(session, tmp_path):
+    """encode (float32) -> store calibrate -> encode --codec tc --calibration: the tc store reads
+    back the lossless caches within the codec's error, keeps its calibration, and takes appends;
+    naming another calibration for it later is refused."""
+    from typer.testing import CliRunner
+
+    from cachegraft_cli.cli.app import app
+    from cachegraft_cli.encoding.calibration import load_file
+    from cachegraft_cli.errors import UsageError
+
+    lossless, cal_file = str(tmp_path / "f32"), tmp_path / "cal.safetensors"
+    corpus = _passages(90)
+    encode_corpus(corpus, lossless, session, EncodeOptions(codec="float32", batch_size=8))
+    result = CliRunner().invoke(app, ["store", "calibrate", lossless, "--out", str(cal_file), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["tokens"] >= 1000 and report["sha256"] == load_file(cal_file).sha256
+    url = str(tmp_path / "tc")
+    options = EncodeOptions(codec="tc", batch_size=8, calibration=str(cal_file))
+    encode_corpus(corpus[:60], url, session, options)
+    encode_corpus(corpus, url, session, EncodeOptions(codec="tc", batch_size=8))  # an append: the store's own
+    store, reference = CacheStore.open(url), CacheStore.open(lossless)
+    ids = [p.id for p in corpus]
+    got, want = store.read(ids), reference.read(ids)
+    err = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(got, want)) / sum((b**2).sum() for b in want))
+    assert err < 0.1
+    info = store.info()
+    assert info["codec_tables"]["sha256"] == report["sha256"] and store.verify()["ok"]
+    assert info["ratio_to_raw_bf16"]["fused"] < reference.info()["ratio_to_raw_bf16"]["fused"] / 4
+    with pytest.raises(UsageError, match="keeps the calibration it was made with"):
+        encode_corpus(_passages(2, 200), url, session, options)

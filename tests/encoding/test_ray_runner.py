@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -87,6 +88,27 @@ def test_two_actors_make_the_local_runners_store(ray_cluster, choice, local_stor
     assert len(pids) == 2  # both actors wrote segments
     again = encode_on_ray(_passages(N), url, choice, OPTIONS, RayOptions(actors=2))
     assert again.added == 0 and again.skipped_existing == N and again.segments == []
+
+
+def test_a_tc_store_on_ray_is_the_local_runners_with_the_drivers_calibration(ray_cluster, choice, local_store,
+                                                                              tmp_path):
+    """The driver reads the calibration once and the set-up task stores it: the Ray store holds the
+    same calibration and the same bytes as the local runner's, and appends reuse it."""
+    from cachegraft_cli.encoding.calibration import fit_from_store
+    from cachegraft_cli.store.transform import FitSettings
+
+    cal_file = tmp_path / "cal.safetensors"
+    cal_file.write_bytes(fit_from_store(local_store.loc.url, FitSettings())[0].to_bytes())
+    options = EncodeOptions(codec="tc", batch_size=8, commit_every=25, calibration=str(cal_file))
+    local, ray_url = str(tmp_path / "local"), str(tmp_path / "ray")
+    encode_corpus(_passages(50), local, ModelSession(choice), options)
+    encode_on_ray(_passages(50), ray_url, choice, options, RayOptions(actors=2, commit_seconds=0))
+    a, b = CacheStore.open(local), CacheStore.open(ray_url)
+    assert a.codec.params == b.codec.params and a.info()["codec_tables"] == b.info()["codec_tables"]
+    ids = [f"p{i}" for i in range(50)]
+    assert all(np.array_equal(x, y) for x, y in zip(a.read(ids), b.read(ids)))
+    encode_on_ray(_passages(60), ray_url, choice, replace(options, calibration=None), RayOptions(actors=1))
+    assert len(CacheStore.open(ray_url)) == 60 and CacheStore.open(ray_url).verify()["ok"]
 
 
 def test_store_mismatches_are_refused(ray_cluster, choice, local_store):

@@ -7,7 +7,7 @@ import pytest
 import reference_codecs
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from store_support import bf16_cache, identity
+from store_support import bf16_cache, identity, tc_calibration
 
 from cachegraft_cli.store import CacheStore, PassageRow, codec_bytes_per_token, raw_bf16_bytes_per_token
 from cachegraft_cli.store.codecs import CODECS, from_bf16_words, get_codec, to_bf16_words, unpack_bits
@@ -79,8 +79,12 @@ def _block(seed: int, tokens: int, scale: float) -> np.ndarray:
     return from_bf16_words(to_bf16_words(x.astype(np.float32)))
 
 
+TC_SMALL = {"calibration": tc_calibration(SMALL)}  # the transform codec's bound: test_transform_codec.py
+
+
 @PROPS
-@given(st.sampled_from(CODECS), st.integers(0, 2**32 - 1), st.integers(1, 300), st.floats(1e-2, 1e2))
+@given(st.sampled_from([c for c in CODECS if c != "tc"]), st.integers(0, 2**32 - 1), st.integers(1, 300),
+       st.floats(1e-2, 1e2))
 def test_every_codec_round_trips_within_its_bound(codec, seed, tokens, scale):
     x = _block(seed, tokens, scale)
     c = get_codec(codec, SMALL)
@@ -104,7 +108,7 @@ def test_decoding_any_token_range_gives_the_same_values(codec, seed, tokens, dat
     """A read decodes only the rows a passage spans: the same values as decoding everything."""
     start = data.draw(st.integers(0, tokens - 1))
     stop = data.draw(st.integers(start + 1, tokens))
-    c = get_codec(codec, SMALL)
+    c = get_codec(codec, SMALL, TC_SMALL if codec == "tc" else None)
     parts = c.encode(_block(seed, tokens, 1.0))
     whole = c.decode(parts, 0, tokens)
     sliced = {p.name: parts[p.name][slice(*p.rows(start, stop))] for p in c.components()}

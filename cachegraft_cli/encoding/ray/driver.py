@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cachegraft_cli.corpus import Passage
+from cachegraft_cli.encoding import calibration
 from cachegraft_cli.encoding.plan import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
 from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
@@ -108,6 +109,9 @@ def encode_on_ray(
     target = Target.open(store_url)
     target.check(options.codec or DEFAULT_CODEC, options.kinds, options.keep_for(target.keep),
                  options.compressor)  # before the cluster
+    # a new store's calibration is read and checked here, once: the set-up task gets it whole
+    params = calibration.codec_params(options.codec or DEFAULT_CODEC, options.calibration, choice.fuser,
+                                      target.store is not None)
     if options.keep_for(target.keep) is not None:
         raise UsageError("the Ray runner does not prune passages (--keep below 1) yet.",
                          "Encode a pruned store with --runner local.")
@@ -115,7 +119,7 @@ def encode_on_ray(
     # The lock first: a second writer is refused at once, before a Ray runtime starts or a model loads.
     with lock_store(target.loc, {"tool": "cachegraft encode", "engine": "ray"}):
         with _connected(ray, ray_options), _data_context(ray_options):
-            store = _open_or_create(ray, choice, target, options, ray_options)
+            store = _open_or_create(ray, choice, target, options, ray_options, params)
             template = driver_template(choice, store, options)
             summary = _run_locked(ray, passages, store, template, choice, options, ray_options, progress,
                                   worker or FuseWriter, planned)
@@ -215,7 +219,8 @@ def _data_context(ray_options: RayOptions):
 # -- the store ----------------------------------------------------------------------
 
 
-def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOptions, ray_options: RayOptions):
+def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOptions, ray_options: RayOptions,
+                    codec_params: dict | None = None):
     """The store; a missing one is made by a task where the models load (the driver loads none)."""
     from cachegraft_cli.encoding.ray.worker import create_store
     from cachegraft_cli.store import CacheStore
@@ -229,7 +234,8 @@ def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOpt
         url = target.loc.raw_url or target.loc.url  # a relative path means the driver's directory, on every node
         task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
         raise_error_record(_ray_get(ray, task(create_store).remote(choice, url, options.codec,
-                                                                   options.also_own_cache, options.compressor)))
+                                                                   options.also_own_cache, options.compressor,
+                                                                   codec_params)))
         target.store = CacheStore.open(target.loc)
     check_kinds(target.store, options.also_own_cache)
     return target.store

@@ -1,0 +1,135 @@
+"""Which calibration a new transform-codec (`tc`) store gets, and fitting one from a store.
+
+A `tc` store keeps its calibration once, in the store (`codec/`), and every append, reader,
+compaction and Ray worker uses that copy. A new store takes the file the user names
+(`encode --calibration FILE`, fitted with `cachegraft store calibrate`), or else the one shipped
+with the preset's built-in fuser (fitted on a corpus outside the QA sets; `fuser/builtin/*/TRAINING.md`).
+Without either, `--codec tc` is refused before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachegraft_cli.errors import UsageError
+
+SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
+TC_BY_DEFAULT = True  # a new store is `tc` where its fuser ships a calibration (docs/results.md, "Codec fidelity")
+
+
+def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
+    """A new store's codec when none is named, and why, for the user (None: nothing to say): the
+    transform codec where the fuser ships a calibration, else int8 (its calibration would have to
+    be fitted on the corpus first)."""
+    from cachegraft_cli.store.codecs import DEFAULT_CODEC
+
+    if TC_BY_DEFAULT and shipped_file(fuser_spec) is not None:
+        return "tc", None
+    if not TC_BY_DEFAULT:
+        return DEFAULT_CODEC, None
+    return DEFAULT_CODEC, ("the store is int8: this fuser ships no transform-codec calibration. For stores about 4x "
+                           "smaller, fit one on this store (`cachegraft store calibrate STORE --out cal.safetensors`) "
+                           "and encode into a new store with --codec tc --calibration cal.safetensors.")
+
+
+def shipped_file(fuser_spec: str | None) -> Path | None:
+    """The calibration shipped with a built-in fuser, if it has one."""
+    if not fuser_spec or not fuser_spec.startswith("builtin:"):
+        return None
+    from cachegraft_cli.fuser import resolve_fuser_dir
+
+    path = resolve_fuser_dir(fuser_spec) / SHIPPED
+    return path if path.is_file() else None
+
+
+def load_file(path: str | Path):
+    """A calibration file the user named, read and parsed (a bad one is a usage error)."""
+    from cachegraft_cli.errors import CacheGraftError
+    from cachegraft_cli.store.transform import Calibration
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"calibration file {str(p)!r} does not exist.",
+                         "Fit one with `cachegraft store calibrate STORE --out FILE`.")
+    try:
+        return Calibration.from_bytes(p.read_bytes())
+    except CacheGraftError as exc:
+        raise UsageError(f"{p} is not a transform-codec calibration: {exc.message}",
+                         "Fit one with `cachegraft store calibrate STORE --out FILE`.") from None
+
+
+def codec_params(codec: str, calibration: str | None, fuser_spec: str | None, exists: bool = False) -> dict | None:
+    """The codec parameters of a new store: the transform codec's calibration, or None (also for
+    an existing store, which keeps its own: naming another one is refused)."""
+    if exists:
+        if calibration:
+            raise UsageError("--calibration is for a new store; this store keeps the calibration it was made with.",
+                             "Drop --calibration, or encode into a new --store.")
+        return None
+    if codec != "tc":
+        if calibration:
+            raise UsageError("--calibration is for the transform codec only.", "Add --codec tc, or drop --calibration.")
+        return None
+    path = calibration or shipped_file(fuser_spec)
+    if path is None:
+        raise UsageError(
+            "--codec tc needs a calibration, and the fuser ships none.",
+            "Encode a few hundred passages with --codec int8 (or bf16), fit one with `cachegraft store calibrate "
+            "STORE --out cal.safetensors`, then encode with --codec tc --calibration cal.safetensors.")
+    return {"calibration": load_file(path)}
+
+
+def fit_from_store(url: str, settings, max_tokens: int | None = None):
+    """A calibration fitted on a store's fused caches, its passages in commit order up to
+    `max_tokens` (`settings`: `store.transform.FitSettings`; RoPE theta and the prefix length
+    are taken from the store's receiver and template when not set)."""
+    from dataclasses import replace
+
+    from cachegraft_cli.store import CacheStore, transform as tf
+
+    store = CacheStore.open(url)
+    g = store.geometry
+    if max_tokens is None:  # the fit holds about four float32 copies of what it reads
+        max_tokens = int(min(50_000, 1.5e9 / (4 * 2 * g["layers"] * g["kv_heads"] * g["head_dim"])))
+    picked, tokens = [], 0
+    for row in store.rows():
+        if tokens >= max_tokens:
+            break
+        picked.append(row.id)
+        tokens += row.tokens
+    if tokens < 1000:
+        raise UsageError(f"store {url} holds {tokens} tokens; a calibration needs at least 1,000 (a few "
+                         "thousand fit well).", "Encode more passages first, or use a shipped calibration.")
+    caches = store.read(picked)
+    settings = replace(settings, position_offset=len(store.prefix_token_ids),
+                       rope_theta=settings.rope_theta or rope_theta_of(store.identity))
+    return tf.fit(caches, settings, source=f"{len(picked)} passages of {url}"), tokens
+
+
+def rope_theta_of(identity: dict) -> float:
+    """The receiver's RoPE base, from its config.json (a pulled model, a local directory, or the
+    hub cache, offline); 10,000 when none has it: un-rotating at other angles only costs bits,
+    never exactness (the calibration records the angles it was fitted with)."""
+    import json
+
+    from cachegraft_cli.errors import CacheGraftError
+    from cachegraft_cli.lm.models import resolve_source
+
+    name = (identity.get("receiver") or {}).get("name", "")
+    try:
+        source, gguf, kind = resolve_source(name)
+    except CacheGraftError:
+        return 10000.0
+    path = Path(source) / "config.json"
+    if kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 10000.0
+    config = config.get("text_config", config)  # multimodal configs keep the language model's inside
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta or 10000.0)

@@ -1,0 +1,335 @@
+"""The transform codec's calibration: what turns a cache into few, nearly independent integers.
+
+Per layer, for keys (RoPE removed) and values separately, fitted once on calibration caches:
+
+1. prediction: keys from the previous layer's *reconstructed* keys, values from the layer's own
+   reconstructed keys and the previous layer's reconstructed values (ridge least squares), so a
+   decoder that has rebuilt layer l-1 predicts layer l exactly as the encoder did;
+2. a decorrelating transform: the PCA basis of the prediction residuals;
+3. one uniform quantiser step per layer and K/V, a multiple of that layer's RMS spread, so that
+   components with little variance fall to zero by themselves;
+4. static entropy models: every coded component belongs to one of a few classes by the spread of
+   its symbols, and each class has one histogram (`entropy.py` codes with it). Components whose
+   calibration symbols were all zero are not coded at all (always zero).
+
+All numpy (readers load no torch). The calibration is one safetensors file, identified by its
+sha256 (docs/store-format.md, "Transform codec").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT = "cachegraft-tc-calibration/1"
+RIDGE = 1e-4  # the prediction's ridge, relative to the context's mean energy: well-posed on few tokens
+CLASSES_PER_OCTAVE = 4  # entropy classes by the symbols' spread: 1/4 octave apart
+SPREAD_RANGE = (-8.0, 10.0)  # log2 spreads beyond are put in the end classes
+MAX_RADIUS = 32767  # symbols are int16 at most; beyond a class's radius they are clamped
+
+
+@dataclass
+class Calibration:
+    """A fitted transform codec. `arrays` hold per layer and K/V (`k`, `v`): `map.{l}.{k}`
+    (context + 1, C), `mean.{l}.{k}` (C,), `basis.{l}.{k}` (C, C); and `step` (L, 2),
+    `inv_freq` (D/2,), `klass` (L, 2, C) int16 (-1: never coded), `counts` (classes, 2R+1)
+    int64 histograms, `radius` (classes,) int32. `info` is the file's JSON metadata."""
+
+    arrays: dict
+    info: dict
+    _bytes: bytes | None = field(default=None, repr=False)
+    _work: dict | None = field(default=None, repr=False)
+
+    @property
+    def work(self) -> dict:
+        """The arrays as computed with: float16 tables widened to float32 once."""
+        if self._work is None:
+            self._work = Widened(self.arrays)
+        return self._work
+
+    @property
+    def layers(self) -> int:
+        return int(self.info["geometry"]["layers"])
+
+    def to_bytes(self) -> bytes:
+        from safetensors.numpy import save
+
+        if self._bytes is None:
+            self._bytes = save({k: np.ascontiguousarray(v) for k, v in sorted(self.arrays.items())},
+                               metadata={"cachegraft": json.dumps(self.info, sort_keys=True)})
+        return self._bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Calibration":
+        from safetensors.numpy import load
+
+        from cachegraft_cli.errors import StoreMetadataError
+
+        try:
+            arrays = load(data)
+            info = json.loads(_metadata(data)["cachegraft"])
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same refusal
+            raise StoreMetadataError(f"transform-codec calibration does not read: {exc}",
+                                     hint="Restore the file from a backup, or re-encode the store.") from None
+        if info.get("format") != FORMAT:
+            raise StoreMetadataError(f"transform-codec calibration has format {info.get('format')!r}, this cachegraft "
+                                     f"reads {FORMAT!r}.", hint="Upgrade cachegraft.")
+        return cls(arrays, info, data)
+
+    # -- the models -------------------------------------------------------------
+
+    def class_probabilities(self) -> list[np.ndarray]:
+        """Each class's symbol probabilities over -R..R (add-half smoothed), float64, from the
+        stored integer counts: the encoder and every decoder derive the very same tables."""
+        out = []
+        counts, radius = self.arrays["counts"], self.arrays["radius"]
+        centre = (counts.shape[1] - 1) // 2
+        for c, r in enumerate(radius.tolist()):
+            row = counts[c, centre - r: centre + r + 1].astype(np.float64) + 0.5
+            out.append(row / row.sum())
+        return out
+
+
+class Widened(dict):
+    """A view of stored arrays with float16 ones widened to float32 on first use."""
+
+    def __init__(self, stored: dict):
+        super().__init__()
+        self.stored = stored
+
+    def __missing__(self, key):
+        value = self.stored[key]
+        value = value.astype(np.float32) if value.dtype == np.float16 else value
+        self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self.stored else default
+
+
+def _metadata(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8: 8 + n]).get("__metadata__", {})
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def inv_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    """Rotate-half RoPE's per-pair frequencies (Qwen2/3, Llama). Any angles work as long as encoder
+    and decoder use the same ones; the model's own make the keys most predictable."""
+    return (float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float64)
+
+
+def rotate(keys: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, sign: int) -> np.ndarray:
+    """Keys `(tokens, layers, heads, dim)` float32 rotated by `sign` times their positions' angles."""
+    angle = np.outer(positions.astype(np.float64), inv_freq)
+    cos = np.cos(angle).astype(np.float32)[:, None, None, :]
+    sin = (np.sin(angle) * sign).astype(np.float32)[:, None, None, :]
+    half = keys.shape[-1] // 2
+    lo, hi = keys[..., :half], keys[..., half:]
+    out = np.empty(keys.shape, np.float32)
+    np.subtract(lo * cos, hi * sin, out=out[..., :half])
+    np.add(hi * cos, lo * sin, out=out[..., half:])
+    return out
+
+
+# ---------------------------------------------------------------- the per-layer pipeline
+
+
+def split(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A cache block `(T, L, 2, H, D)` as un-rotated keys and values, each `(T, L, H*D)` float32."""
+    t, layers = x.shape[:2]
+    keys = rotate(np.asarray(x[:, :, 0], np.float32), positions, inv_freq, -1)
+    return keys.reshape(t, layers, -1), np.ascontiguousarray(x[:, :, 1], np.float32).reshape(t, layers, -1)
+
+
+def join(keys: np.ndarray, values: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, heads: int) -> np.ndarray:
+    t, layers = keys.shape[:2]
+    out = np.empty((t, layers, 2, heads, keys.shape[2] // heads), np.float32)
+    out[:, :, 0] = rotate(keys.reshape(t, layers, heads, -1), positions, inv_freq, 1)
+    out[:, :, 1] = values.reshape(t, layers, heads, -1)
+    return out
+
+
+def context(recon_k: np.ndarray, recon_v: np.ndarray, layer: int, kv: int) -> np.ndarray | None:
+    """What layer `layer`'s keys (kv=0) or values (kv=1) are predicted from (`(..., L, C)` arrays)."""
+    if kv == 0:
+        return recon_k[..., layer - 1, :] if layer else None
+    return np.concatenate([recon_k[..., layer, :]] + ([recon_v[..., layer - 1, :]] if layer else []), axis=-1)
+
+
+def predict(arrays: dict, layer: int, kv: int, ctx: np.ndarray | None) -> np.ndarray | float:
+    m = arrays.get(f"map.{layer}.{'kv'[kv]}")
+    if m is None or ctx is None:
+        return 0.0
+    return ctx @ m[:-1] + m[-1]
+
+
+def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols `(..., L, 2, C)` int32 of un-rotated keys and values `(..., L, C)`, each token's
+    steps times `scale` `(...)`, clamped as the classes require (so `synthesise` rebuilds what was
+    predicted from), and which tokens were clamped `(...)`: a coded component beyond its class's
+    radius, or a never-coded one at 1.5 steps or more. Unclamped, every coded component is within
+    half a step and every never-coded one within 1.5. Leading dimensions are computed as stacks
+    (`(groups, tokens)`: one matrix product per group, so a token's result depends on its group alone)."""
+    a = cal.work
+    lead, (layers, c) = keys.shape[:-2], keys.shape[-2:]
+    out = np.zeros(lead + (layers, 2, c), np.int32)
+    over = np.zeros(lead, bool)
+    rk, rv = np.empty_like(keys), np.empty_like(values)
+    for layer in range(layers):
+        for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
+            name = "kv"[kv]
+            pred = predict(a, layer, kv, context(rk, rv, layer, kv))
+            step = (a["step"][layer, kv] * scale[..., None]).astype(np.float32)
+            z = np.rint(((x[..., layer, :] - pred - a[f"mean.{layer}.{name}"]) @ a[f"basis.{layer}.{name}"]) / step)
+            limit = radii(cal, layer, kv)
+            over |= (np.abs(z) > np.maximum(limit, 1)).any(-1)
+            q = np.clip(z, -limit, limit).astype(np.int32)
+            out[..., layer, kv, :] = q
+            recon[..., layer, :] = _rebuild(a, layer, kv, q, step, pred)
+    return out, over
+
+
+def synthesise(cal: Calibration, symbols: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Un-rotated keys and values `(..., L, C)` from symbols `(..., L, 2, C)`: layer by layer,
+    each predicted from what was rebuilt before it (leading dimensions as in `analyse`)."""
+    a = cal.work
+    lead, (layers, c) = symbols.shape[:-3], (symbols.shape[-3], symbols.shape[-1])
+    rk, rv = np.empty(lead + (layers, c), np.float32), np.empty(lead + (layers, c), np.float32)
+    for layer in range(layers):
+        for kv, recon in enumerate((rk, rv)):
+            pred = predict(a, layer, kv, context(rk, rv, layer, kv))
+            step = (a["step"][layer, kv] * scale[..., None]).astype(np.float32)
+            recon[..., layer, :] = _rebuild(a, layer, kv, symbols[..., layer, kv, :], step, pred)
+    return rk, rv
+
+
+def _rebuild(a: dict, layer: int, kv: int, q: np.ndarray, step: np.ndarray, pred) -> np.ndarray:
+    name = "kv"[kv]
+    return (q.astype(np.float32) * step) @ a[f"basis.{layer}.{name}"].T + a[f"mean.{layer}.{name}"] + pred
+
+
+def radii(cal: Calibration, layer: int, kv: int) -> np.ndarray:
+    """Each component's largest symbol: its class's radius; 0 for never-coded components."""
+    klass = cal.arrays["klass"][layer, kv].astype(np.int64)  # (stored int16)
+    return np.where(klass >= 0, cal.arrays["radius"][np.maximum(klass, 0)], 0)
+
+
+# ---------------------------------------------------------------- fitting
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    key_step: float = 0.35  # keys' quantiser step in units of the layer's RMS spread
+    value_step: float = 0.5
+    rope_theta: float | None = None  # None: 10,000 (`encoding.calibration` reads the receiver's)
+    position_offset: int = 0  # a passage's first token's position (the template prefix's length)
+    group: int = 16  # tokens per ANS stream (the codec's read granularity)
+    predict: bool = True  # False, True: the ablations of docs/results.md
+    transform: bool = True
+    headroom: float = 1.5  # code rows hold this times the calibration's largest group
+
+
+def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Calibration:
+    """Fit on passages' float32 caches `(T, L, 2, H, D)` (their tokens at positions offset + 0, 1, ...)."""
+    layers, _, heads, dim = caches[0].shape[1:]
+    inv_freq = inv_frequencies(settings.rope_theta or 10000.0, dim)
+    positions = np.concatenate([settings.position_offset + np.arange(len(x)) for x in caches])
+    keys, values = split(np.concatenate(caches), positions, inv_freq)
+    arrays: dict = {"inv_freq": inv_freq, "step": np.zeros((layers, 2), np.float32)}
+    symbols = np.zeros((len(keys), layers, 2, keys.shape[2]), np.int32)
+    rk, rv = np.empty_like(keys), np.empty_like(values)
+    steps = (settings.key_step, settings.value_step)
+    work = Widened(arrays)  # the stored (float16) tables, as every reader will compute with them
+    for layer in range(layers):
+        for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
+            ctx = context(rk, rv, layer, kv)
+            _fit_layer(arrays, layer, kv, x[:, layer], ctx, steps[kv], settings)
+            pred = predict(work, layer, kv, ctx)
+            step = np.full((len(x), 1), arrays["step"][layer, kv], np.float32)
+            z = ((x[:, layer] - pred - work[f"mean.{layer}.{'kv'[kv]}"]) @ work[f"basis.{layer}.{'kv'[kv]}"]) / step
+            q = np.clip(np.rint(z), -MAX_RADIUS, MAX_RADIUS).astype(np.int32)
+            symbols[:, layer, kv] = q
+            recon[:, layer] = _rebuild(work, layer, kv, q, step, pred)
+    arrays.update(_classes(symbols))
+    info = {"format": FORMAT, "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
+            "group": settings.group, "group_words": _group_words(arrays, symbols, settings),
+            "key_step": settings.key_step, "value_step": settings.value_step, "rope_theta": settings.rope_theta,
+            "position_offset": settings.position_offset, "predict": settings.predict,
+            "transform": settings.transform, "tokens": int(len(keys)), "passages": len(caches),
+            "source": source}
+    return Calibration(arrays, info)
+
+
+def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray | None, step: float,
+               settings: FitSettings) -> None:
+    name = "kv"[kv]
+    x64 = x.astype(np.float64)
+    residual = x64
+    if ctx is not None and settings.predict:
+        design = np.hstack([ctx.astype(np.float64), np.ones((len(ctx), 1))])
+        gram = design.T @ design
+        gram[np.diag_indices(len(gram) - 1)] += RIDGE * np.trace(gram) / len(gram)
+        m = np.linalg.solve(gram, design.T @ x64)
+        arrays[f"map.{layer}.{name}"] = m.astype(np.float16)  # the residual is taken from the stored map
+        residual = x64 - design @ m.astype(np.float16).astype(np.float64)
+    mean = residual.mean(0)
+    basis = np.eye(x.shape[1])
+    if settings.transform:
+        # the eigenvectors of the residuals' scatter: a complete orthonormal basis even from fewer
+        # tokens than channels (directions unseen in calibration are never-coded components)
+        centred = residual - mean
+        energy, vectors = np.linalg.eigh(centred.T @ centred)
+        basis = vectors[:, np.argsort(energy)[::-1]]
+    arrays[f"mean.{layer}.{name}"] = mean.astype(np.float16)
+    arrays[f"basis.{layer}.{name}"] = basis.astype(np.float16)
+    # in units of the layer's own spread, not its residual's: one step means one error level
+    arrays["step"][layer, kv] = np.float32(step * np.sqrt(((x64 - x64.mean(0)) ** 2).mean()))
+
+
+def _group_words(arrays: dict, symbols: np.ndarray, settings: FitSettings) -> int:
+    """uint32 words a code row holds: the headroom times the calibration's costliest group, by the
+    models' ideal bits (ANS spends within a word or two of them)."""
+    cal = Calibration(arrays, {})
+    probs = cal.class_probabilities()
+    flat = symbols.reshape(len(symbols), -1)
+    bits = np.zeros(len(flat))
+    for c, p in enumerate(probs):
+        members = np.flatnonzero(arrays["klass"].reshape(-1) == c)
+        if len(members):
+            bits += -np.log2(p[flat[:, members] + arrays["radius"][c]]).sum(1)
+    g = settings.group
+    groups = np.add.reduceat(bits, np.arange(0, len(bits), g))
+    return int(np.ceil(settings.headroom * groups.max() / 32)) + 8
+
+
+def _classes(symbols: np.ndarray) -> dict:
+    """Components by the spread of their calibration symbols: never nonzero -> not coded (-1);
+    otherwise one class per 1/4 octave of RMS, each with the pooled histogram of its components."""
+    flat = symbols.reshape(len(symbols), -1)
+    rms = np.sqrt((flat.astype(np.float64) ** 2).mean(0))
+    live = np.abs(flat).max(0) > 0
+    lo, hi = SPREAD_RANGE
+    bins = np.clip(np.floor((np.log2(np.maximum(rms, 2.0 ** lo)) - lo) * CLASSES_PER_OCTAVE), 0,
+                   (hi - lo) * CLASSES_PER_OCTAVE).astype(np.int64)
+    used = np.unique(bins[live])
+    klass = np.full(flat.shape[1], -1, np.int16)
+    klass[live] = np.searchsorted(used, bins[live])
+    peaks = [int(np.abs(flat[:, klass == c]).max()) for c in range(len(used))]
+    radius = np.array([min(MAX_RADIUS, max(2, 2 * p)) for p in peaks], np.int32)
+    width = 2 * int(radius.max(initial=2)) + 1
+    counts = np.zeros((len(used), width), np.int64)
+    centre = width // 2
+    for c in range(len(used)):
+        values, n = np.unique(flat[:, klass == c], return_counts=True)
+        counts[c, centre + values] = n
+    return {"klass": klass.reshape(symbols.shape[1:]), "counts": counts, "radius": radius}

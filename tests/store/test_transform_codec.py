@@ -1,0 +1,256 @@
+"""The transform codec (`tc`): each stage round-trips, the entropy coder reproduces the symbols
+exactly, the error stays within the steps it was coded at, and a tc store keeps its calibration:
+checked, versioned (format 3) and used by every reader, append and compaction."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from store_support import GEOMETRY, identity, prefix, row, structured_cache, tc_calibration
+
+from cachegraft_cli.errors import StoreError, StoreMetadataError, UsageError
+from cachegraft_cli.store import CacheStore, transform as tf
+from cachegraft_cli.store.codecs import get_codec
+from cachegraft_cli.store.entropy import GroupCoder
+
+PROPS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CAL = tc_calibration()
+C = GEOMETRY["kv_heads"] * GEOMETRY["head_dim"]
+
+
+def tc(cal=CAL):
+    return get_codec("tc", GEOMETRY, {"calibration": cal})
+
+
+def tc_store(url, cal=CAL, **kw) -> CacheStore:
+    return CacheStore.create(url, identity("tc"), prefix(np.random.default_rng(0)), codec_params={"calibration": cal},
+                             **kw)
+
+
+# ---- the stages ------------------------------------------------------------------------
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 40), st.integers(1, 5))
+def test_the_entropy_coder_reproduces_the_symbols_exactly(seed, tokens, classes):
+    rng = np.random.default_rng(seed)
+    klass = rng.integers(-1, classes, size=(3, 2, 7))
+    radius = rng.integers(2, 40, size=classes)
+    probs = [(lambda p: p / p.sum())(rng.random(2 * r + 1) + 1e-3) for r in radius]
+    coder = GroupCoder(klass, probs, radius)
+    limit = np.where(klass.reshape(-1) >= 0, radius[np.maximum(klass.reshape(-1), 0)], 0)
+    symbols = rng.integers(-limit, limit + 1, size=(tokens, limit.size)).astype(np.int32)
+    words = coder.encode(symbols)
+    assert words.dtype == np.uint32
+    assert np.array_equal(coder.decode(words, tokens), symbols)
+    # the stream costs close to the models' ideal bits (ANS: within a couple of words)
+    assert len(words) * 32 <= coder.cost_bits(symbols, probs).sum() + 96
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 60), st.integers(0, 3000))
+def test_rotation_is_undone_exactly_enough_and_preserves_norms(seed, tokens, start):
+    keys = np.random.default_rng(seed).normal(0, 3, (tokens, 2, 2, 16)).astype(np.float32)
+    inv = tf.inv_frequencies(1e6, 16)
+    pos = start + np.arange(tokens)
+    turned = tf.rotate(keys, pos, inv, 1)
+    assert np.allclose(np.linalg.norm(turned, axis=-1), np.linalg.norm(keys, axis=-1), rtol=1e-5, atol=1e-5)
+    assert np.allclose(tf.rotate(turned, pos, inv, -1), keys, atol=1e-4)
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 50), st.floats(0.05, 20))
+def test_analysis_and_synthesis_agree_and_stay_within_half_a_step(seed, tokens, scale):
+    """The decoder rebuilds, layer by layer, exactly what the encoder predicted from; unclamped
+    tokens are within half a step of every coded component (1.5 of never-coded ones)."""
+    rng = np.random.default_rng(seed)
+    x = structured_cache(rng, tokens) * np.float32(scale)
+    pos = 4 + np.arange(tokens)
+    keys, values = tf.split(x, pos, CAL.arrays["inv_freq"])
+    scale_t = 2.0 ** rng.integers(0, 3, tokens)
+    symbols, over = tf.analyse(CAL, keys, values, scale_t)
+    rk, rv = tf.synthesise(CAL, symbols, scale_t)
+    a = CAL.work
+    for layer in range(GEOMETRY["layers"]):
+        for kv, (orig, recon) in enumerate(((keys, rk), (values, rv))):
+            step = a["step"][layer, kv] * scale_t[:, None]
+            basis = a[f"basis.{layer}.{'kv'[kv]}"]
+            # the error in the transform domain (the basis is orthonormal to float16 precision)
+            err = np.abs(((orig[:, layer] - recon[:, layer]) @ basis) / step)[~over]
+            coded = tf.radii(CAL, layer, kv) > 0
+            assert (err[:, coded] <= 0.5 + 2e-2).all() and (err <= 1.5 + 2e-2).all()
+    # the reconstruction the writer's encoder makes is the decoder's, bit for bit
+    again, _ = tf.analyse(CAL, *tf.split(tf.join(rk, rv, pos, CAL.arrays["inv_freq"], 2), pos,
+                                          CAL.arrays["inv_freq"]), scale_t)
+    assert np.abs(again - symbols).max() <= 1  # re-analysing the rebuilt cache lands on (almost) the same symbols
+
+
+def test_the_fit_is_deterministic_and_its_file_round_trips():
+    again = tc_calibration()
+    assert again.to_bytes() == CAL.to_bytes() and again.sha256 == CAL.sha256
+    back = tf.Calibration.from_bytes(CAL.to_bytes())
+    assert back.info == CAL.info and all(np.array_equal(back.arrays[k], v) for k, v in CAL.arrays.items())
+    basis = CAL.work["basis.1.v"]
+    assert np.allclose(basis.T @ basis, np.eye(C), atol=5e-3)  # a complete orthonormal basis
+
+
+def test_a_file_that_is_not_a_calibration_is_refused():
+    with pytest.raises(StoreMetadataError, match="does not read"):
+        tf.Calibration.from_bytes(b"not safetensors")
+    from safetensors.numpy import save
+
+    with pytest.raises(StoreMetadataError, match="format"):
+        tf.Calibration.from_bytes(save({"a": np.zeros(2)}, metadata={"cachegraft": json.dumps({"format": "x/9"})}))
+
+
+@pytest.mark.parametrize("ablation", [{"predict": False}, {"transform": False}])
+def test_ablations_fit_and_round_trip(ablation):
+    cal = tc_calibration(**ablation)
+    assert not any(k.startswith("map.") for k in cal.arrays) if not ablation.get("predict", True) else True
+    if not ablation.get("transform", True):
+        assert np.array_equal(cal.work["basis.0.k"], np.eye(C, dtype=np.float32))
+    x = structured_cache(np.random.default_rng(3), 30)
+    c = tc(cal)
+    y = c.decode(c.encode(x), 0, 30)
+    assert np.sqrt(((y - x) ** 2).mean() / (x**2).mean()) < 0.15
+
+
+# ---- the codec -------------------------------------------------------------------------
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 80), st.floats(1e-2, 1e3), st.booleans())
+def test_every_error_is_within_one_and_a_half_of_its_groups_steps(seed, tokens, scale, structured):
+    """Caches like the calibration's or not (Gaussian noise, any scale): groups whose code would
+    not fit, or would clamp, are coded at coarser steps, and every component stays within 1.5
+    of its group's steps (the bound a reader can rely on), in each layer's own basis."""
+    rng = np.random.default_rng(seed)
+    x = structured_cache(rng, tokens) if structured else rng.normal(0, 1, (tokens,) + (3, 2, 2, 8))
+    x = (x * scale).astype(np.float32)
+    c = tc()
+    parts = c.encode(x)
+    y = c.decode(parts, 0, tokens)
+    assert y.shape == x.shape and y.dtype == np.float32 and np.isfinite(y).all()
+    shift = np.repeat(parts["head"][:, 2], parts["head"][:, 1]).astype(np.float64)
+    pos = 4 + np.arange(tokens)
+    kx, vx = tf.split(x, pos, CAL.arrays["inv_freq"])
+    ky, vy = tf.split(y, pos, CAL.arrays["inv_freq"])
+    for layer in range(GEOMETRY["layers"]):
+        for kv, (a, b) in enumerate(((kx, ky), (vx, vy))):
+            step = CAL.work["step"][layer, kv] * 2.0 ** shift[:, None]
+            err = ((a[:, layer] - b[:, layer]) @ CAL.work[f"basis.{layer}.{'kv'[kv]}"]) / step
+            assert np.abs(err).max() <= 1.5 + 2e-2
+    if structured and scale < 2:
+        assert (shift == 0).all()  # caches like the calibration's fit at its own steps
+
+
+def test_caches_unlike_the_calibration_are_coded_coarser_not_refused():
+    x = structured_cache(np.random.default_rng(1), 40) * np.float32(300)
+    parts = tc().encode(x)
+    assert (parts["head"][:, 2] > 0).all()
+    with pytest.raises(StoreError, match="NaN"):
+        tc().encode(np.full((3, 3, 2, 2, 8), np.nan, np.float32))
+
+
+def test_a_passage_reads_the_same_from_its_position_in_any_group():
+    """Groups are 16 tokens: a read of any token range decodes whole groups and keeps its slice."""
+    x = structured_cache(np.random.default_rng(2), 70)
+    c = tc()
+    parts = c.encode(x)
+    whole = c.decode(parts, 0, 70)
+    for start, stop in [(0, 1), (15, 17), (16, 32), (33, 70), (69, 70)]:
+        sliced = {p.name: parts[p.name][slice(*p.rows(start, stop))] for p in c.components()}
+        assert np.array_equal(c.decode(sliced, start, stop), whole[start:stop])
+
+
+def test_tc_needs_a_calibration():
+    with pytest.raises(UsageError, match="calibration"):
+        get_codec("tc", GEOMETRY)
+    with pytest.raises(StoreMetadataError, match="geometry"):
+        get_codec("tc", {"layers": 2, "kv_heads": 2, "head_dim": 8}, {"calibration": CAL})
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+def _fill(store, seed=0, n=6):
+    rng = np.random.default_rng(seed)
+    data = {f"p{seed}-{i}" if seed else f"p{i}": structured_cache(rng, int(rng.integers(5, 60))) for i in range(n)}
+    with store.writer() as w:
+        for pid, x in data.items():
+            w.add(row(0, id=pid, content_hash=pid), {"fused": x})
+    return data
+
+
+def test_a_tc_store_reads_what_the_codec_decodes_per_passage(tmp_path):
+    url = str(tmp_path / "s")
+    data = _fill(tc_store(url, shard_tokens=64, chunk_tokens=16))
+    store = CacheStore.open(url)
+    c = tc()
+    for x, got in zip(data.values(), store.read(list(data))):
+        # positions restart at each passage; the store's groups of 16 are not the passage's own, so
+        # the same symbols up to a rare rounding tie (float products are exact per group, not per token)
+        alone = c.decode(c.encode(x), 0, len(x))
+        assert np.abs(got - alone).mean() <= 1e-3 * np.abs(x).mean()
+        assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
+    assert store.verify()["ok"]
+    info = store.info()
+    assert info["format_version"] == 3 and info["codec"] == "tc"
+    tables = info["codec_tables"]
+    assert tables["sha256"] == CAL.sha256 and tables["bytes"] == len(CAL.to_bytes())
+    assert (tmp_path / "s" / tables["file"]).read_bytes() == CAL.to_bytes()
+
+
+def test_appends_and_compaction_keep_the_calibration_and_the_caches(tmp_path):
+    from cachegraft_cli.store.compact import compact
+
+    url = str(tmp_path / "s")
+    tc_store(url)
+    for seed in range(3):
+        _fill(CacheStore.open(url), seed, 3)  # three segments of three passages
+    before = dict(zip(*(lambda s: (s.ids(), s.read(s.ids())))(CacheStore.open(url))))
+    compact(url)
+    after = CacheStore.open(url)
+    assert len(after.segments) == 1
+    for pid, x in zip(after.ids(), after.read(after.ids())):
+        assert np.array_equal(x, before[pid])
+    assert after.verify()["ok"]
+
+
+def test_a_store_with_a_missing_or_tampered_calibration_is_refused(tmp_path):
+    url = str(tmp_path / "s")
+    _fill(tc_store(url), n=2)
+    path = tmp_path / "s" / tc().calibration_path
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(StoreMetadataError, match="sha256"):
+        CacheStore.open(url).read(["p0"])
+    path.unlink()
+    with pytest.raises(StoreMetadataError, match="does not read"):
+        CacheStore.open(url).read(["p0"])
+    path.write_bytes(data)
+    assert CacheStore.open(url).verify()["ok"]
+
+
+def test_a_build_that_reads_format_2_refuses_a_tc_store_but_not_the_others(tmp_path, monkeypatch):
+    from cachegraft_cli.store import evidence, segments, store as store_mod
+
+    tc_url, int8_url = str(tmp_path / "tc"), str(tmp_path / "int8")
+    _fill(tc_store(tc_url), n=2)
+    CacheStore.create(int8_url, identity("int8"), prefix(np.random.default_rng(0)))
+    assert CacheStore.open(int8_url).meta["format_version"] == 2
+    for module in (store_mod, evidence, segments):
+        monkeypatch.setattr(module, "FORMAT_VERSION", 2)
+    assert CacheStore.open(int8_url).meta["format_version"] == 2
+    with pytest.raises(StoreError, match="format_version"):
+        CacheStore.open(tc_url)
+
+
+def test_a_new_store_takes_a_calibration_for_its_own_geometry_only(tmp_path):
+    other = tc_calibration({"layers": 2, "kv_heads": 2, "head_dim": 8})
+    with pytest.raises(StoreMetadataError, match="geometry"):
+        tc_store(str(tmp_path / "s"), other)
+    assert not (tmp_path / "s" / "zarr.json").exists()
