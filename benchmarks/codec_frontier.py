@@ -41,12 +41,21 @@ def draw(pts: list[dict], out: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "kl", "KL(lossless || codec), mean per position"),
                            (axes[1], "dnll", "dNLL per gold-answer token")):
+        means = sorted(p[key]["mean"] for p in pts)
+        top = 4 * means[len(means) // 2] + 1e-4  # far worse codecs (k2v4) are drawn at the top edge, value written
+        ax.set_ylim(min(0.0, means[0]) - 0.05 * top, top)
         for k, marker in ((3, "o"), (5, "s")):
             sel = [p for p in pts if p["k"] == k]
             for p in sel:
                 lo, hi = p[key]["ci95"]
                 mean = p[key]["mean"]
-                color = "tab:blue" if p["codec"].startswith("tc@") else "tab:orange"
+                if mean > top:
+                    ax.plot(p["ratio"], top * 0.97, "^", color="tab:red")
+                    ax.annotate(f"{p['codec']} ({mean:.2f}, off scale)", (p["ratio"], top * 0.97),
+                                textcoords="offset points", xytext=(4, -10), fontsize=7)
+                    continue
+                color = "tab:blue" if p["codec"].startswith("tc:") else \
+                    "tab:grey" if p["codec"].startswith("tc@") else "tab:orange"
                 ax.errorbar(p["ratio"], mean, yerr=[[mean - lo], [hi - mean]], fmt=marker, color=color,
                             capsize=2, alpha=0.8)
                 if k == 3:
@@ -58,7 +67,8 @@ def draw(pts: list[dict], out: str) -> None:
         ax.axvline(0.125, color="grey", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
     axes[0].text(0.127, axes[0].get_ylim()[1] * 0.9, "8x", fontsize=8, color="grey")
-    fig.suptitle("Codec frontier (orange: scalar codecs; blue: transform-coding probe; o k=3, s k=5)", fontsize=10)
+    fig.suptitle("Codec frontier (orange: scalar codecs; blue: the transform codec tc:KEY/VALUE steps; grey: the "
+                 "numpy probe; o k=3, s k=5)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

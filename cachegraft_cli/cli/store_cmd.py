@@ -72,7 +72,8 @@ def _info_table(report: dict):
     tables = report.get("codec_tables")
     if tables:
         table.add_row("codec tables", f"{_fmt_bytes(tables['bytes'])} once per store ({tables['file']}): calibrated "
-                                      f"on {tables['tokens']:,} tokens of {tables['source']}")
+                                      f"on {tables['tokens']:,} tokens of {tables['source']}, key step "
+                                      f"{tables['key_step']:g}, value step {tables['value_step']:g}")
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "
@@ -250,8 +251,11 @@ def calibrate(
     out: Annotated[str, typer.Option("--out", "-o", help="Where to write the calibration (.safetensors).")],
     key_step: Annotated[float, typer.Option(
         min=0.01, max=8.0, help="Keys' quantiser step, in units of each layer's RMS spread (smaller: finer, larger "
-                                "stores).")] = 0.35,
-    value_step: Annotated[float, typer.Option(min=0.01, max=8.0, help="The values' step, likewise.")] = 0.5,
+                                "stores).")] = 0.25,
+    value_step: Annotated[float, typer.Option(min=0.01, max=8.0, help="The values' step, likewise.")] = 0.35,
+    ratio: Annotated[float | None, typer.Option(
+        min=0.01, max=0.5, help="Scale both steps (keeping their proportion) so the calibration codes its own "
+                                "passages at this share of raw bf16, e.g. 0.1 (other passages cost more).")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         min=1000, help="Calibrate on the store's first passages up to this many tokens (default: 50,000, fewer "
                        "where their float32 caches would pass 1.5 GB).")] = None,
@@ -269,15 +273,19 @@ def calibrate(
         from cachegraft_cli.errors import UsageError
 
         raise UsageError(f"the directory of {str(target)!r} does not exist.", "Create it, or write elsewhere.")
-    cal, tokens = fit_from_store(store, tf.FitSettings(key_step=key_step, value_step=value_step), max_tokens)
+    cal, tokens = fit_from_store(store, tf.FitSettings(key_step=key_step, value_step=value_step), max_tokens, ratio)
+    key_step, value_step = cal.info["key_step"], cal.info["value_step"]
     target.write_bytes(cal.to_bytes())
+    bits = cal.info["bits_per_element"]
     report = {"out": str(target), "tokens": tokens, "bytes": len(cal.to_bytes()), "sha256": cal.sha256,
-              "key_step": key_step, "value_step": value_step, "rope_theta": cal.info["rope_theta"]}
+              "key_step": key_step, "value_step": value_step, "rope_theta": cal.info["rope_theta"],
+              "bits_per_element": bits, "ratio_to_raw_bf16": round(bits / 16, 4)}
     if json:
         emit_json(report)
         return
-    typer.echo(f"{target}: calibrated on {tokens:,} tokens of {store} ({report['bytes']:,} bytes); encode with "
-               f"--codec tc --calibration {target}")
+    typer.echo(f"{target}: calibrated on {tokens:,} tokens of {store} ({report['bytes']:,} bytes). On those "
+               f"passages it codes {bits:.2f} bits per element, {bits / 16:.3f}x raw bf16 (others cost more: "
+               f"`store info` shows what a store holds). Encode with --codec tc --calibration {target}")
 
 
 @store_app.command("unlock")

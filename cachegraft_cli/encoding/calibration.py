@@ -4,7 +4,7 @@ A `tc` store keeps its calibration once, in the store (`codec/`), and every appe
 compaction and Ray worker uses that copy. A new store takes the file the user names
 (`encode --calibration FILE`, fitted with `cachegraft store calibrate`), or else the one shipped
 with the preset's built-in fuser (fitted on a corpus outside the QA sets; `fuser/builtin/*/TRAINING.md`).
-Without either, `--codec tc` is refused before any model loads.
+Without either, `--codec tc` is refused before any model loads. New stores are int8 unless named.
 """
 
 from __future__ import annotations
@@ -14,22 +14,20 @@ from pathlib import Path
 from cachegraft_cli.errors import UsageError
 
 SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
-TC_BY_DEFAULT = True  # a new store is `tc` where its fuser ships a calibration (docs/results.md, "Codec fidelity")
 
 
 def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
-    """A new store's codec when none is named, and why, for the user (None: nothing to say): the
-    transform codec where the fuser ships a calibration, else int8 (its calibration would have to
-    be fitted on the corpus first)."""
+    """A new store's codec when none is named: int8 (the transform codec's stores are 2.7x smaller,
+    but their caches take 3.4x as long to load, which misses the first-token bound a default must
+    keep: docs/results.md, "Store size"); and, where the fuser ships a calibration, a note that
+    `--codec tc` is one flag away."""
     from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
-    if TC_BY_DEFAULT and shipped_file(fuser_spec) is not None:
-        return "tc", None
-    if not TC_BY_DEFAULT:
+    if shipped_file(fuser_spec) is None:
         return DEFAULT_CODEC, None
-    return DEFAULT_CODEC, ("the store is int8: this fuser ships no transform-codec calibration. For stores about 4x "
-                           "smaller, fit one on this store (`cachegraft store calibrate STORE --out cal.safetensors`) "
-                           "and encode into a new store with --codec tc --calibration cal.safetensors.")
+    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.17x (this fuser "
+                           "ships a calibration), at int4's fidelity or better, but slower to load: about +0.25 s "
+                           "to the first token at k = 5 on a 2-core CPU (docs/results.md, \"Store size\").")
 
 
 def shipped_file(fuser_spec: str | None) -> Path | None:
@@ -79,10 +77,12 @@ def codec_params(codec: str, calibration: str | None, fuser_spec: str | None, ex
     return {"calibration": load_file(path)}
 
 
-def fit_from_store(url: str, settings, max_tokens: int | None = None):
+def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: float | None = None):
     """A calibration fitted on a store's fused caches, its passages in commit order up to
     `max_tokens` (`settings`: `store.transform.FitSettings`; RoPE theta and the prefix length
-    are taken from the store's receiver and template when not set)."""
+    are taken from the store's receiver and template when not set). With `ratio`, both steps
+    are scaled (their proportion kept) until the calibration codes its own passages at that
+    share of raw bf16 (`store.transform.fit_to_ratio`)."""
     from dataclasses import replace
 
     from cachegraft_cli.store import CacheStore, transform as tf
@@ -103,7 +103,10 @@ def fit_from_store(url: str, settings, max_tokens: int | None = None):
     caches = store.read(picked)
     settings = replace(settings, position_offset=len(store.prefix_token_ids),
                        rope_theta=settings.rope_theta or rope_theta_of(store.identity))
-    return tf.fit(caches, settings, source=f"{len(picked)} passages of {url}"), tokens
+    source = f"{len(picked)} passages of {url}"
+    if ratio is not None:
+        return tf.fit_to_ratio(caches, settings, ratio, source), tokens
+    return tf.fit(caches, settings, source=source), tokens
 
 
 def rope_theta_of(identity: dict) -> float:

@@ -452,7 +452,8 @@ class TransformCodec(Codec):
 
     def tables(self) -> dict:
         cal = self.calibration()
-        keep = ("source", "tokens", "passages", "key_step", "value_step", "rope_theta", "predict", "transform")
+        keep = ("source", "tokens", "passages", "key_step", "value_step", "bits_per_element", "rope_theta", "predict",
+                "transform")
         return {"file": self.calibration_path, "bytes": len(cal.to_bytes()), "sha256": self.params["calibration"],
                 **{k: cal.info.get(k) for k in keep}}
 

@@ -229,8 +229,10 @@ def radii(cal: Calibration, layer: int, kv: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class FitSettings:
-    key_step: float = 0.35  # keys' quantiser step in units of the layer's RMS spread
-    value_step: float = 0.5
+    # keys' quantiser step in units of the layer's RMS spread; the values' likewise. The defaults
+    # are the smallest measured rate at int4's fidelity or better (docs/results.md, "Store size")
+    key_step: float = 0.25
+    value_step: float = 0.35
     rope_theta: float | None = None  # None: 10,000 (`encoding.calibration` reads the receiver's)
     position_offset: int = 0  # a passage's first token's position (the template prefix's length)
     group: int = 16  # tokens per ANS stream (the codec's read granularity)
@@ -261,13 +263,41 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
             symbols[:, layer, kv] = q
             recon[:, layer] = _rebuild(work, layer, kv, q, step, pred)
     arrays.update(_classes(symbols))
+    bits = _token_bits(arrays, symbols)
     info = {"format": FORMAT, "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
-            "group": settings.group, "group_words": _group_words(arrays, symbols, settings),
+            "group": settings.group, "group_words": _group_words(bits, settings),
+            # on its own passages (in-sample); other passages cost more (docs/results.md, "Store size")
+            "bits_per_element": round(float(bits.mean() / symbols[0].size), 4),
             "key_step": settings.key_step, "value_step": settings.value_step, "rope_theta": settings.rope_theta,
             "position_offset": settings.position_offset, "predict": settings.predict,
             "transform": settings.transform, "tokens": int(len(keys)), "passages": len(caches),
             "source": source}
     return Calibration(arrays, info)
+
+
+def fit_to_ratio(caches: list[np.ndarray], settings: FitSettings, ratio: float, source: str = "",
+                 tries: int = 7) -> Calibration:
+    """`fit` with both steps scaled by one factor (their proportion kept), found by bisection in
+    log space on up to 10,000 of the tokens, so that the calibration codes its own passages at
+    about `ratio` of raw bf16 (16 bits per element x ratio). Passages unlike them cost more."""
+    from dataclasses import replace
+
+    sample, n = [], 0
+    for x in caches:  # the first passages, as many as fill 10,000 tokens
+        if n >= 10_000:
+            break
+        sample.append(x)
+        n += len(x)
+    lo, hi = 1 / 16, 16.0  # step multipliers: finer than 1/16 or coarser than 16x is no rate anyone wants
+    for _ in range(tries):
+        mid = float(np.sqrt(lo * hi))
+        scaled = replace(settings, key_step=settings.key_step * mid, value_step=settings.value_step * mid)
+        if fit(sample, scaled).info["bits_per_element"] > 16 * ratio:
+            lo = mid
+        else:
+            hi = mid
+    return fit(caches, replace(settings, key_step=round(settings.key_step * hi, 4),
+                               value_step=round(settings.value_step * hi, 4)), source)
 
 
 def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray | None, step: float,
@@ -296,19 +326,22 @@ def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray
     arrays["step"][layer, kv] = np.float32(step * np.sqrt(((x64 - x64.mean(0)) ** 2).mean()))
 
 
-def _group_words(arrays: dict, symbols: np.ndarray, settings: FitSettings) -> int:
-    """uint32 words a code row holds: the headroom times the calibration's costliest group, by the
-    models' ideal bits (ANS spends within a word or two of them)."""
-    cal = Calibration(arrays, {})
-    probs = cal.class_probabilities()
+def _token_bits(arrays: dict, symbols: np.ndarray) -> np.ndarray:
+    """Each calibration token's ideal bits under the fitted models `(tokens,)`."""
+    probs = Calibration(arrays, {}).class_probabilities()
     flat = symbols.reshape(len(symbols), -1)
     bits = np.zeros(len(flat))
     for c, p in enumerate(probs):
         members = np.flatnonzero(arrays["klass"].reshape(-1) == c)
         if len(members):
             bits += -np.log2(p[flat[:, members] + arrays["radius"][c]]).sum(1)
-    g = settings.group
-    groups = np.add.reduceat(bits, np.arange(0, len(bits), g))
+    return bits
+
+
+def _group_words(bits: np.ndarray, settings: FitSettings) -> int:
+    """uint32 words a code row holds: the headroom times the calibration's costliest group, by the
+    models' ideal bits (ANS spends within a word or two of them)."""
+    groups = np.add.reduceat(bits, np.arange(0, len(bits), settings.group))
     return int(np.ceil(settings.headroom * groups.max() / 32)) + 8
 
 

@@ -18,13 +18,14 @@ def test_the_offline_fuser_ships_a_calibration_for_its_receivers_geometry():
     cal = calibration.load_file(path)
     assert cal.info["geometry"] == {"layers": 24, "kv_heads": 2, "head_dim": 64}
     assert cal.info["rope_theta"] == 1e6 and cal.info["tokens"] >= 30_000  # Qwen2.5's RoPE base, a real corpus
-    assert calibration.default_codec(OFFLINE) == ("tc", None)
+    assert calibration.codec_params("tc", None, OFFLINE)["calibration"].sha256 == cal.sha256
 
 
-def test_a_fuser_without_one_gets_int8_and_says_how_to_do_better():
+def test_new_stores_are_int8_and_a_shipped_calibration_is_pointed_out():
+    codec, note = calibration.default_codec(OFFLINE)
+    assert codec == "int8" and "--codec tc" in note
     for spec in (None, "closed", "/some/dir", "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter"):
-        codec, note = calibration.default_codec(spec)
-        assert codec == "int8" and "store calibrate" in note
+        assert calibration.default_codec(spec) == ("int8", None)
     with pytest.raises(UsageError, match="needs a calibration"):
         calibration.codec_params("tc", None, "closed")
 

@@ -51,6 +51,21 @@ class StoreTests:
         assert np.array_equal(opened.prefix(), pre) and opened.kinds == created.kinds == ("fused",)
         assert CacheStore.check_exists(url)["identity"] == opened.identity
 
+    def test_a_transform_codec_store_keeps_its_calibration_here(self, url, rng):
+        from store_support import structured_cache, tc_calibration
+
+        cal = tc_calibration()
+        store = CacheStore.create(url, identity("tc"), prefix(rng), codec_params={"calibration": cal})
+        caches = {f"p{i}": structured_cache(rng, 20 + i) for i in range(3)}
+        with store.writer() as w:
+            for pid, x in caches.items():
+                w.add(row(0, id=pid, content_hash=pid), {"fused": x})
+        again = CacheStore.open(url)
+        assert again.meta["format_version"] == 3 and again.info()["codec_tables"]["sha256"] == cal.sha256
+        for x, got in zip(caches.values(), again.read(list(caches))):
+            assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
+        assert again.verify()["ok"]
+
     def test_create_existing_same_identity_opens_it(self, url, rng):
         fill(make(url, rng), rng, range(3))
         again = make(url, rng)

@@ -254,3 +254,16 @@ def test_a_new_store_takes_a_calibration_for_its_own_geometry_only(tmp_path):
     with pytest.raises(StoreMetadataError, match="geometry"):
         tc_store(str(tmp_path / "s"), other)
     assert not (tmp_path / "s" / "zarr.json").exists()
+
+
+def test_a_ratio_target_scales_both_steps_to_meet_it_on_the_calibration_passages():
+    rng = np.random.default_rng(4)
+    caches = [structured_cache(rng, 50) for _ in range(12)]
+    settings = tf.FitSettings(rope_theta=10000.0, position_offset=4)
+    base = tf.fit(caches, settings)
+    for ratio in (0.05, 0.2):
+        cal = tf.fit_to_ratio(caches, settings, ratio)
+        assert cal.info["key_step"] / cal.info["value_step"] == pytest.approx(0.25 / 0.35, rel=1e-3)
+        # within one bisection step of the target (the last factor is 16^(2/2^7) = 1.09 wide)
+        assert cal.info["bits_per_element"] <= 16 * ratio * 1.02
+    assert base.info["bits_per_element"] > 0
