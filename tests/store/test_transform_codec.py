@@ -267,3 +267,18 @@ def test_a_ratio_target_scales_both_steps_to_meet_it_on_the_calibration_passages
         # within one bisection step of the target (the last factor is 16^(2/2^7) = 1.09 wide)
         assert cal.info["bits_per_element"] <= 16 * ratio * 1.02
     assert base.info["bits_per_element"] > 0
+
+
+def test_store_verify_names_a_tampered_calibration_and_exits_7(tmp_path):
+    from typer.testing import CliRunner
+
+    from cachegraft_cli.cli.app import app
+    from cachegraft_cli.cli.errors import report
+
+    url = str(tmp_path / "s")
+    _fill(tc_store(url), n=2)
+    path = tmp_path / "s" / tc().calibration_path
+    path.write_bytes(path.read_bytes()[:-8])
+    result = CliRunner().invoke(app, ["store", "verify", url])
+    assert isinstance(result.exception, StoreMetadataError) and report(result.exception) == 7
+    assert "codec tables" in result.output and "calibration" in str(result.exception)
