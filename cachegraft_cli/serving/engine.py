@@ -212,17 +212,22 @@ class Engine:
 
     def _run_other(self, job: Job) -> None:
         """A retrieval or a reload, between decode steps."""
-        try:
-            if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
-                return
-            if job.kind == "reload":
-                job.future.set_result(self.reload(force=True))
-            else:
-                job.future.set_result(self._retrieve(job))
-        except Exception as exc:  # noqa: BLE001 - every failure goes to the waiting request, never kills the worker
-            job.future.set_exception(exc)
-        finally:
+        if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
             self._release(job)
+            return
+        self._settle(job, lambda: self.reload(force=True) if job.kind == "reload" else self._retrieve(job))
+
+    def _settle(self, job: Job, compute) -> None:
+        """Free the job's slot, then hand its result (or its error) to the waiting request: a client
+        that has read its answer never finds its own slot still held."""
+        try:
+            result = compute()
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the waiting request, never kills the worker
+            self._release(job)
+            job.future.set_exception(exc)
+        else:
+            self._release(job)
+            job.future.set_result(result)
 
     def _start(self, jobs: list[Job]) -> None:
         """Prepare each question (retrieve, load its caches), then prefill the ones that share a
@@ -276,18 +281,13 @@ class Engine:
     def _finish(self, rows, lm) -> None:
         for row in rows:
             job, prepared = row.tag
-            try:
-                job.future.set_result(prepared.result(row.generation(lm.tokenizer)))
-            except Exception as exc:  # noqa: BLE001
-                job.future.set_exception(exc)
-            finally:
-                self._release(job)
+            self._settle(job, lambda: prepared.result(row.generation(lm.tokenizer)))  # noqa: B023 - called at once
 
     def _fail(self, jobs: list[Job], exc: BaseException) -> None:
         for job in jobs:
+            self._release(job)
             if not job.future.done():
                 job.future.set_exception(exc)
-            self._release(job)
 
     def _retrieve(self, job: Job) -> dict:
         asker = self.askers[job.store]
