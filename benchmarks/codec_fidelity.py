@@ -28,6 +28,7 @@ the lossless one.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -50,7 +51,8 @@ def parse_args(argv):
                     help="codecs compared with float32; tc:KEY/VALUE[-nopred][-notransform][-noentropy] adds the "
                          "transform codec at those quantiser steps, calibrated on --calibration-store (-noentropy: "
                          "the same reconstruction with fixed-length symbols, its size counted, not written); "
-                         "tc@STEP[vSTEP][...] the numpy probe (tc_probe.py)")
+                         "tc@STEP[vSTEP][...] the numpy probe (tc_probe.py); tcfile:PATH the transform codec with "
+                         "the calibration in PATH")
     ap.add_argument("--calibration-store", default=None,
                     help="the store tc: codecs are calibrated on (default: the offline preset's calibration corpus, "
                          "benchmarks/calibration_corpus.py, encoded float32 here)")
@@ -77,13 +79,14 @@ def build_stores(name: str, passages, session, codecs: list[str], tag: str, args
     bc.ensure_store(urls["float32"], passages, session, codec="float32")
     sizes = {}
     for codec in codecs:
-        urls[codec] = f"{base}-{codec.replace('/', 'v')}"
+        urls[codec] = f"{base}-{codec.replace('/', 'v')}" if not codec.startswith("tcfile:") else \
+            f"{base}-tcfile-{os.path.basename(codec.split(':', 1)[1])}"
         if codec.startswith("tc@"):
             sizes[codec] = probe_store(urls["float32"], urls[codec], codec)
         elif codec.startswith("tc:") and codec.endswith("-noentropy"):
             sizes[codec] = fixed_length_size(calibration(codec.removesuffix("-noentropy"), session, args),
                                              bytes_per_token(urls[codec.removesuffix("-noentropy")]))
-        elif codec.startswith("tc:"):
+        elif codec.startswith(("tc:", "tcfile:")):
             transcode(urls["float32"], urls[codec], "tc", {"calibration": calibration(codec, session, args)})
             sizes[codec] = bytes_per_token(urls[codec])
         else:
@@ -100,6 +103,10 @@ def calibration(codec: str, session, args):
     from cachegraft_cli.encoding.calibration import fit_from_store
     from cachegraft_cli.store.transform import FitSettings
 
+    if codec.startswith("tcfile:"):  # a calibration file (`store calibrate`, `layer_sensitivity.py --out`)
+        from cachegraft_cli.encoding.calibration import load_file
+
+        return _CALIBRATIONS.setdefault(codec, load_file(codec.split(":", 1)[1]))
     if codec not in _CALIBRATIONS:
         steps, *flags = codec[3:].split("-")
         key_step, value_step = (float(v) for v in steps.split("/"))

@@ -33,7 +33,7 @@ def encode(
         Optional[str],
         typer.Option(help="int8 (0.47x raw bf16 KV, within 1 F1 point of lossless), bf16 (lossless, 0.81x), k8v4 "
                      "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), k2v4 or int2 (2-bit keys: 0.19x / "
-                     "0.14x, -17 to -20 F1), tc (the transform codec: 0.17x at int4's fidelity or better, slower to "
+                     "0.14x, -17 to -20 F1), tc (the transform codec: 0.18x at int4's fidelity or better, slower to "
                      "load; needs a calibration: --calibration, or the one the offline fuser ships) (default: the "
                      "store's, int8 for a new one)."),
     ] = None,

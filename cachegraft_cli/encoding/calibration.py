@@ -25,8 +25,8 @@ def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
 
     if shipped_file(fuser_spec) is None:
         return DEFAULT_CODEC, None
-    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.17x (this fuser "
-                           "ships a calibration), at int4's fidelity or better, but slower to load: about +0.25 s "
+    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.18x (this fuser "
+                           "ships a calibration), at int4's fidelity or better, but slower to load: about +0.08 s "
                            "to the first token at k = 5 on a 2-core CPU (docs/results.md, \"Store size\").")
 
 

@@ -156,6 +156,10 @@ class Codec:
         """Tokens [start, stop) from component rows `Component.rows(start, stop)`."""
         raise NotImplementedError
 
+    def decode_many(self, reads: list[tuple[dict[str, np.ndarray], int, int]]) -> list[np.ndarray]:
+        """`decode` of several (parts, start, stop) at once (a codec may share work between them)."""
+        return [self.decode(parts, start, stop) for parts, start, stop in reads]
+
     def nominal_bytes_per_token(self) -> float:
         """Uncompressed stored bytes per token (grouped parts amortised over full groups)."""
         return float(sum(np.dtype(c.dtype).itemsize * np.prod(c.tail) / c.stride for c in self.components()))
@@ -405,6 +409,8 @@ class TransformCodec(Codec):
 
     name = "tc"
     DEFAULTS = {"group": 16}
+    NEW = {"entropy": "zstd", "level": 15}  # a new store's entropy stage (15: the bytes of 19 at half its CPU)
+    ENTROPY = ("zstd", "ans")
     CALIBRATION_DIR = "codec"
 
     def __init__(self, geometry, params=None):
@@ -413,10 +419,17 @@ class TransformCodec(Codec):
         self._cal = None
         if cal is not None and not isinstance(cal, str):  # a fitted Calibration, for a new store
             self._cal = cal
+            params = {**self.NEW, **params}
+            zstd = params["entropy"] == "zstd"
             params.update(calibration=cal.sha256, position_offset=int(cal.info["position_offset"]),
                           group=int(cal.info["group"]),
-                          group_words=params.get("group_words") or cal.info["group_words"])
+                          group_words=params.get("group_words") or cal.info["group_words"] + 8 * zstd * bands(cal))
         super().__init__(geometry, {**self.DEFAULTS, **params})
+        # stored params stay as written (a segment's commit record holds them): no key means ANS
+        self.entropy, self.level = self.params.get("entropy", "ans"), self.params.get("level", self.NEW["level"])
+        if self.entropy not in self.ENTROPY or not isinstance(self.level, int) or not 1 <= self.level <= 22:
+            raise UsageError(f"the tc codec's entropy stage is one of {', '.join(self.ENTROPY)} at a zstd level "
+                             f"1-22; got {self.entropy!r}, level {self.level!r}.", hint="Leave them at their defaults.")
         self._loc = None
         self._coder = None
         sha, words = self.params.get("calibration"), self.params.get("group_words")
@@ -493,10 +506,13 @@ class TransformCodec(Codec):
 
     def coder(self):
         if self._coder is None:
-            from cachegraft_cli.store.entropy import GroupCoder
+            from cachegraft_cli.store.entropy import BandCoder, GroupCoder
 
             cal = self.calibration()
-            self._coder = GroupCoder(cal.arrays["klass"], cal.class_probabilities(), cal.arrays["radius"])
+            if self.entropy == "zstd":
+                self._coder = BandCoder(cal.arrays["klass"], cal.arrays["radius"], self.level)
+            else:
+                self._coder = GroupCoder(cal.arrays["klass"], cal.class_probabilities(), cal.arrays["radius"])
         return self._coder
 
     def encode_staged(self, block, positions=None):
@@ -544,23 +560,45 @@ class TransformCodec(Codec):
         return np.array(again, np.int64)
 
     def decode(self, parts, start, stop):
-        with one_blas_thread():
-            return self._decode(parts, start, stop)
+        return self.decode_many([(parts, start, stop)])[0]
 
-    def _decode(self, parts, start, stop):
+    def decode_many(self, reads):
+        """All the reads' groups rebuilt in one batch (each group's products its own: a read gives
+        the same caches alone or with others), then each read's tokens rotated back."""
         from cachegraft_cli.store import transform as tf
 
-        cal, g, heads = self.calibration(), self.group, parts["head"].astype(np.int64)
-        n, c = len(heads), self.heads * self.head_dim
-        symbols = np.zeros((n, g, self.layers, 2, c), np.int32)
-        for i, (words, h) in enumerate(zip(parts["code"], heads)):
-            symbols[i, : h[1]] = self.coder().decode(words[: h[0]], int(h[1])).reshape(-1, self.layers, 2, c)
-        rk, rv = tf.synthesise(cal, symbols, np.repeat(2.0 ** heads[:, 2:3], g, axis=1))
-        valid = (np.arange(g)[None, :] < heads[:, 1:2]).reshape(-1)  # a segment's last group may be short
-        first = start // g * g
-        rk, rv = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (rk, rv))
-        pos = parts["pos"][:, 0].astype(np.int64) + self.offset
-        return tf.join(rk, rv, pos, cal.arrays["inv_freq"], self.heads)
+        cal, g = self.calibration(), self.group
+        heads = np.concatenate([p["head"] for p, _, _ in reads]).astype(np.int64)
+        with one_blas_thread():
+            rk, rv = self._synthesise(cal, np.concatenate([p["code"] for p, _, _ in reads]), heads)
+        out, at = [], 0
+        for parts, start, stop in reads:
+            n = len(parts["head"])
+            h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
+            at += n
+            valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
+            first = start // g * g
+            k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
+            pos = parts["pos"][:, 0].astype(np.int64) + self.offset
+            out.append(tf.join(k, v, pos, cal.arrays["inv_freq"], self.heads))
+        return out
+
+    def _synthesise(self, cal, code: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from cachegraft_cli.store import transform as tf
+
+        g, c, coder = self.group, self.heads * self.head_dim, self.coder()
+        # symbols as the coder holds them (class order, component-major: whole rows to fill)
+        coded = tf.Coded.empty(coder.order, (self.layers, 2, c), len(heads), g)
+        for i, (words, h) in enumerate(zip(code, heads)):
+            coder.decode_ordered(words[: h[0]], int(h[1]), out=coded.buffer[i, :-1, : h[1]])
+        return tf.synthesise(cal, coded, np.repeat(2.0 ** heads[:, 2:3], g, axis=1))
+
+
+def bands(cal) -> int:
+    """How many zstd bands a calibration's components fall into (each costs a few words a row)."""
+    from cachegraft_cli.store.entropy import BandCoder, bands as cut
+
+    return len(cut(cal.arrays["klass"].reshape(-1).astype(np.int64), cal.arrays["radius"], BandCoder.MIN_BAND))
 
 
 def grouped(a: np.ndarray, tokens: int) -> np.ndarray:

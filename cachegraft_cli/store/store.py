@@ -283,13 +283,13 @@ class CacheStore:
             from cachegraft_cli.store.damage import unreadable_passages
 
             raise unreadable_passages(self, ids, kind, exc) from None
-        out = []
+        reads = []
         for n, ((ti, ri), span) in enumerate(zip(found, spans)):
             parts = {c.name: flat[n * len(comps) + j] for j, c in enumerate(comps)}
             if check:
                 self._check_passage(ti, ri, kind, parts)
-            out.append(self.codec.decode(parts, *span))
-        return out
+            reads.append((parts, *span))
+        return self.codec.decode_many(reads)
 
     @property
     def keep(self) -> dict | None:

@@ -105,8 +105,16 @@ class Widened(dict):
         self.stored = stored
 
     def __missing__(self, key):
-        value = self.stored[key]
-        value = value.astype(np.float32) if value.dtype == np.float16 else value
+        kind, _, rest = key.partition(".")
+        if kind == "scaled":  # basis.T times the step: symbols straight to the layer's units
+            layer, name = rest.split(".")
+            value = np.ascontiguousarray(self[f"basis.{rest}"].T * self["step"][int(layer), "kv".index(name)])
+        elif kind == "const":  # the mean plus the prediction's bias: one addition
+            m = self.get(f"map.{rest}")
+            value = self[f"mean.{rest}"] + (m[-1] if m is not None else 0)
+        else:
+            value = self.stored[key]
+            value = value.astype(np.float32) if value.dtype == np.float16 else value
         self[key] = value
         return value
 
@@ -160,17 +168,27 @@ def join(keys: np.ndarray, values: np.ndarray, positions: np.ndarray, inv_freq: 
 
 
 def context(recon_k: np.ndarray, recon_v: np.ndarray, layer: int, kv: int) -> np.ndarray | None:
-    """What layer `layer`'s keys (kv=0) or values (kv=1) are predicted from (`(..., L, C)` arrays)."""
+    """What layer `layer`'s keys (kv=0) or values (kv=1) are predicted from (`(..., L, C)` arrays):
+    the rows of its map, in order, before the bias row."""
     if kv == 0:
         return recon_k[..., layer - 1, :] if layer else None
     return np.concatenate([recon_k[..., layer, :]] + ([recon_v[..., layer - 1, :]] if layer else []), axis=-1)
 
 
-def predict(arrays: dict, layer: int, kv: int, ctx: np.ndarray | None) -> np.ndarray | float:
+def predict(arrays: dict, layer: int, kv: int, recon_k: np.ndarray, recon_v: np.ndarray) -> np.ndarray | float:
+    """The prediction of layer `layer`'s keys or values from what was rebuilt before them, without
+    the map's bias (`const` holds it); 0 where there is no map. One product per context part
+    (the same sum as `context(...) @ map[:-1]`, without assembling the context)."""
     m = arrays.get(f"map.{layer}.{'kv'[kv]}")
-    if m is None or ctx is None:
+    if m is None:
         return 0.0
-    return ctx @ m[:-1] + m[-1]
+    if kv == 0:
+        return recon_k[..., layer - 1, :] @ m[:-1]
+    c = recon_k.shape[-1]
+    out = recon_k[..., layer, :] @ m[:c]
+    if layer:
+        out += recon_v[..., layer - 1, :] @ m[c:-1]
+    return out
 
 
 def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,34 +206,67 @@ def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.nd
     for layer in range(layers):
         for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
             name = "kv"[kv]
-            pred = predict(a, layer, kv, context(rk, rv, layer, kv))
+            pred = predict(a, layer, kv, rk, rv)
             step = (a["step"][layer, kv] * scale[..., None]).astype(np.float32)
-            z = np.rint(((x[..., layer, :] - pred - a[f"mean.{layer}.{name}"]) @ a[f"basis.{layer}.{name}"]) / step)
+            z = np.rint(((x[..., layer, :] - pred - a[f"const.{layer}.{name}"]) @ a[f"basis.{layer}.{name}"]) / step)
             limit = radii(cal, layer, kv)
             over |= (np.abs(z) > np.maximum(limit, 1)).any(-1)
             q = np.clip(z, -limit, limit).astype(np.int32)
             out[..., layer, kv, :] = q
-            recon[..., layer, :] = _rebuild(a, layer, kv, q, step, pred)
+            recon[..., layer, :] = rebuild(a, layer, kv, q, scale, pred)
     return out, over
 
 
-def synthesise(cal: Calibration, symbols: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Un-rotated keys and values `(..., L, C)` from symbols `(..., L, 2, C)`: layer by layer,
-    each predicted from what was rebuilt before it (leading dimensions as in `analyse`)."""
+@dataclass
+class Coded:
+    """Groups' symbols as the entropy stage leaves them: `buffer` `(groups, rows + 1, tokens)`,
+    per group one row per coded component in class order and a last row of zeros; `rows`
+    `(L, 2, C)` each component's row (never-coded ones: the zero row). Saves scattering them
+    into `(groups, tokens, L, 2, C)` first."""
+
+    buffer: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def empty(cls, order: np.ndarray, shape: tuple, groups: int, tokens: int, dtype=np.int16) -> "Coded":
+        rows = np.full(int(np.prod(shape)), len(order), np.int64)
+        rows[order] = np.arange(len(order))
+        return cls(np.zeros((groups, len(order) + 1, tokens), dtype), rows.reshape(shape))
+
+    def __getitem__(self, key) -> np.ndarray:
+        """`coded[..., layer, kv, :]`: that layer's keys' or values' symbols `(groups, tokens, C)`."""
+        _, layer, kv, _ = key
+        return self.buffer[:, self.rows[layer, kv]].swapaxes(1, 2)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.buffer.shape[0], self.buffer.shape[2]) + self.rows.shape
+
+
+def synthesise(cal: Calibration, symbols, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Un-rotated keys and values `(..., L, C)` from symbols `(..., L, 2, C)` (an array or `Coded`):
+    layer by layer, each predicted from what was rebuilt before it (leading dimensions as in `analyse`)."""
     a = cal.work
     lead, (layers, c) = symbols.shape[:-3], (symbols.shape[-3], symbols.shape[-1])
-    rk, rv = np.empty(lead + (layers, c), np.float32), np.empty(lead + (layers, c), np.float32)
+    # layer-major while rebuilding (each layer's rows contiguous), returned as `(..., L, C)` views
+    rk, rv = np.empty((layers,) + lead + (c,), np.float32), np.empty((layers,) + lead + (c,), np.float32)
+    tk, tv = np.moveaxis(rk, 0, -2), np.moveaxis(rv, 0, -2)
     for layer in range(layers):
         for kv, recon in enumerate((rk, rv)):
-            pred = predict(a, layer, kv, context(rk, rv, layer, kv))
-            step = (a["step"][layer, kv] * scale[..., None]).astype(np.float32)
-            recon[..., layer, :] = _rebuild(a, layer, kv, symbols[..., layer, kv, :], step, pred)
-    return rk, rv
+            recon[layer] = rebuild(a, layer, kv, symbols[..., layer, kv, :], scale, predict(a, layer, kv, tk, tv))
+    return tk, tv
 
 
-def _rebuild(a: dict, layer: int, kv: int, q: np.ndarray, step: np.ndarray, pred) -> np.ndarray:
+def rebuild(a: dict, layer: int, kv: int, q: np.ndarray, scale: np.ndarray, pred) -> np.ndarray:
+    """A layer's keys or values from their symbols `q` `(..., C)` at steps times `scale` `(...)`."""
     name = "kv"[kv]
-    return (q.astype(np.float32) * step) @ a[f"basis.{layer}.{name}"].T + a[f"mean.{layer}.{name}"] + pred
+    x = q.astype(np.float32) @ a[f"scaled.{layer}.{name}"]
+    if (scale != 1).any():  # groups coded at coarser steps (rare): their symbols are in larger units
+        x *= scale[..., None].astype(np.float32)
+    x += a[f"const.{layer}.{name}"]
+    if not isinstance(pred, float):
+        x += pred
+    return x
 
 
 def radii(cal: Calibration, layer: int, kv: int) -> np.ndarray:
@@ -239,11 +290,17 @@ class FitSettings:
     predict: bool = True  # False, True: the ablations of docs/results.md
     transform: bool = True
     headroom: float = 1.5  # code rows hold this times the calibration's largest group
+    # per layer, the key and value steps' multipliers ((L, 2) nested; None: all 1): steps where
+    # errors cost the model less made coarser (benchmarks/layer_sensitivity.py measures them)
+    layer_steps: tuple | None = None
 
 
 def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Calibration:
     """Fit on passages' float32 caches `(T, L, 2, H, D)` (their tokens at positions offset + 0, 1, ...)."""
     layers, _, heads, dim = caches[0].shape[1:]
+    if settings.layer_steps is not None and (np.shape(settings.layer_steps) != (layers, 2)
+                                             or not (np.asarray(settings.layer_steps) > 0).all()):
+        raise ValueError(f"layer_steps must be ({layers}, 2) positive multipliers")
     inv_freq = inv_frequencies(settings.rope_theta or 10000.0, dim)
     positions = np.concatenate([settings.position_offset + np.arange(len(x)) for x in caches])
     keys, values = split(np.concatenate(caches), positions, inv_freq)
@@ -252,16 +309,17 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
     rk, rv = np.empty_like(keys), np.empty_like(values)
     steps = (settings.key_step, settings.value_step)
     work = Widened(arrays)  # the stored (float16) tables, as every reader will compute with them
+    ones = np.ones(len(keys), np.float32)
     for layer in range(layers):
         for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
-            ctx = context(rk, rv, layer, kv)
-            _fit_layer(arrays, layer, kv, x[:, layer], ctx, steps[kv], settings)
-            pred = predict(work, layer, kv, ctx)
-            step = np.full((len(x), 1), arrays["step"][layer, kv], np.float32)
-            z = ((x[:, layer] - pred - work[f"mean.{layer}.{'kv'[kv]}"]) @ work[f"basis.{layer}.{'kv'[kv]}"]) / step
+            scale = 1.0 if settings.layer_steps is None else float(settings.layer_steps[layer][kv])
+            _fit_layer(arrays, layer, kv, x[:, layer], context(rk, rv, layer, kv), steps[kv] * scale, settings)
+            pred = predict(work, layer, kv, rk, rv)
+            z = ((x[:, layer] - pred - work[f"const.{layer}.{'kv'[kv]}"]) @ work[f"basis.{layer}.{'kv'[kv]}"]) \
+                / arrays["step"][layer, kv]
             q = np.clip(np.rint(z), -MAX_RADIUS, MAX_RADIUS).astype(np.int32)
             symbols[:, layer, kv] = q
-            recon[:, layer] = _rebuild(work, layer, kv, q, step, pred)
+            recon[:, layer] = rebuild(work, layer, kv, q, ones, pred)
     arrays.update(_classes(symbols))
     bits = _token_bits(arrays, symbols)
     info = {"format": FORMAT, "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
@@ -269,6 +327,8 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
             # on its own passages (in-sample); other passages cost more (docs/results.md, "Store size")
             "bits_per_element": round(float(bits.mean() / symbols[0].size), 4),
             "key_step": settings.key_step, "value_step": settings.value_step, "rope_theta": settings.rope_theta,
+            "layer_steps": None if settings.layer_steps is None else [[round(float(m), 4) for m in row]
+                                                                      for row in settings.layer_steps],
             "position_offset": settings.position_offset, "predict": settings.predict,
             "transform": settings.transform, "tokens": int(len(keys)), "passages": len(caches),
             "source": source}

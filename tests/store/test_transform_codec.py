@@ -5,6 +5,8 @@ checked, versioned (format 3) and used by every reader, append and compaction.""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from store_support import GEOMETRY, identity, prefix, row, structured_cache, tc_
 from cachegraft_cli.errors import StoreError, StoreMetadataError, UsageError
 from cachegraft_cli.store import CacheStore, transform as tf
 from cachegraft_cli.store.codecs import get_codec
-from cachegraft_cli.store.entropy import GroupCoder
+from cachegraft_cli.store.entropy import BandCoder, GroupCoder, bands
 
 PROPS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CAL = tc_calibration()
@@ -48,6 +50,36 @@ def test_the_entropy_coder_reproduces_the_symbols_exactly(seed, tokens, classes)
     assert np.array_equal(coder.decode(words, tokens), symbols)
     # the stream costs close to the models' ideal bits (ANS: within a couple of words)
     assert len(words) * 32 <= coder.cost_bits(symbols, probs).sum() + 96
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 40), st.integers(1, 6))
+def test_the_band_coder_reproduces_the_symbols_exactly(seed, tokens, classes):
+    rng = np.random.default_rng(seed)
+    klass = rng.integers(-1, classes, size=(3, 2, 50))
+    radius = rng.choice([2, 9, 127, 128, 300, 32767], size=classes)  # int8 and int16 bands
+    coder = BandCoder(klass, radius, level=3)
+    limit = np.where(klass.reshape(-1) >= 0, radius[np.maximum(klass.reshape(-1), 0)], 0)
+    symbols = rng.integers(-limit, limit + 1, size=(tokens, limit.size)).astype(np.int32)
+    words = coder.encode(symbols)
+    assert words.dtype == np.uint32
+    assert np.array_equal(coder.decode(words, tokens), symbols)
+
+
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(1, 300))
+def test_bands_hold_every_coded_component_once_in_whole_classes_of_one_width(seed, classes, least):
+    rng = np.random.default_rng(seed)
+    klass = rng.integers(-1, classes, size=400)
+    radius = rng.choice([2, 127, 128, 4000], size=classes)
+    cut = bands(klass, radius, least)
+    everything = np.concatenate(cut) if cut else np.zeros(0, np.int64)
+    assert np.array_equal(np.sort(everything), np.flatnonzero(klass >= 0))
+    owner = {}
+    for b, members in enumerate(cut):
+        assert len({bool(radius[c] > 127) for c in klass[members]}) == 1
+        for c in np.unique(klass[members]):
+            assert owner.setdefault(int(c), b) == b
 
 
 @PROPS
@@ -95,6 +127,20 @@ def test_the_fit_is_deterministic_and_its_file_round_trips():
     assert back.info == CAL.info and all(np.array_equal(back.arrays[k], v) for k, v in CAL.arrays.items())
     basis = CAL.work["basis.1.v"]
     assert np.allclose(basis.T @ basis, np.eye(C), atol=5e-3)  # a complete orthonormal basis
+
+
+def test_layer_steps_scale_each_layers_steps_and_are_recorded():
+    multipliers = ((1.0, 2.0), (0.5, 1.0), (4.0, 0.25))
+    weighted = tc_calibration(layer_steps=multipliers)
+    ratio = weighted.arrays["step"] / CAL.arrays["step"]
+    assert np.allclose(ratio, np.array(multipliers), rtol=1e-5)
+    assert weighted.info["layer_steps"] == [list(m) for m in multipliers] and CAL.info["layer_steps"] is None
+    x = structured_cache(np.random.default_rng(4), 30)
+    c = get_codec("tc", GEOMETRY, {"calibration": weighted})
+    assert np.sqrt(((c.decode(c.encode(x), 0, 30) - x) ** 2).mean() / (x**2).mean()) < 0.2
+    for bad in (((1.0, 1.0),), ((1.0, 0.0), (1.0, 1.0), (1.0, 1.0))):
+        with pytest.raises(ValueError, match="layer_steps"):
+            tc_calibration(layer_steps=bad)
 
 
 def test_a_file_that_is_not_a_calibration_is_refused():
@@ -166,6 +212,18 @@ def test_a_passage_reads_the_same_from_its_position_in_any_group():
         assert np.array_equal(c.decode(sliced, start, stop), whole[start:stop])
 
 
+def test_a_new_tc_store_codes_with_zstd_bands_and_other_stages_are_refused():
+    c = tc()
+    assert (c.entropy, c.params["entropy"], c.params["level"]) == ("zstd", "zstd", 15)
+    for bad in ({"entropy": "lzma"}, {"level": 0}, {"level": "high"}):
+        with pytest.raises(UsageError, match="entropy stage"):
+            get_codec("tc", GEOMETRY, {"calibration": CAL, **bad})
+    x = structured_cache(np.random.default_rng(3), 40)
+    ans = get_codec("tc", GEOMETRY, {"calibration": CAL, "entropy": "ans"})
+    # the same symbols through either entropy stage: the same caches back
+    assert np.array_equal(ans.decode(ans.encode(x), 0, 40), c.decode(c.encode(x), 0, 40))
+
+
 def test_tc_needs_a_calibration():
     with pytest.raises(UsageError, match="calibration"):
         get_codec("tc", GEOMETRY)
@@ -202,6 +260,37 @@ def test_a_tc_store_reads_what_the_codec_decodes_per_passage(tmp_path):
     tables = info["codec_tables"]
     assert tables["sha256"] == CAL.sha256 and tables["bytes"] == len(CAL.to_bytes())
     assert (tmp_path / "s" / tables["file"]).read_bytes() == CAL.to_bytes()
+
+
+def test_reading_passages_together_gives_what_reading_each_alone_gives(tmp_path):
+    url = str(tmp_path / "s")
+    data = _fill(tc_store(url, shard_tokens=64, chunk_tokens=16), n=7)
+    store = CacheStore.open(url)
+    together = store.read(list(data))  # their groups rebuilt in one batch, split between threads
+    for pid, got in zip(data, together):
+        assert np.array_equal(got, store.read([pid])[0])
+
+
+FIRST_BUILD = Path(__file__).parent / "fixtures" / "tc_ans"
+
+
+def test_a_tc_store_of_the_first_build_reads_and_appends_as_before(tmp_path):
+    url = str(tmp_path / "s")
+    shutil.copytree(FIRST_BUILD / "store", url)
+    expected = np.load(FIRST_BUILD / "expected.npz")
+    store = CacheStore.open(url)
+    assert store.codec.entropy == "ans" and "entropy" not in store.codec.params
+    ids = sorted(k.split(".", 1)[1] for k in expected.files if k.startswith("input."))
+    for pid, got in zip(ids, store.read(ids)):
+        # the symbols that build stored; its float products summed in another order (rounding only)
+        scale = np.abs(expected[f"input.{pid}"]).max()
+        assert np.allclose(got, expected[f"decoded.{pid}"], rtol=0, atol=1e-5 * scale)
+    assert store.verify()["ok"]
+    more = _fill(store, seed=5, n=2)  # appended with the store's own (ANS) stage
+    again = CacheStore.open(url)
+    assert "entropy" not in again.codec.params and again.verify()["ok"]
+    for x, got in zip(more.values(), again.read(list(more))):
+        assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
 
 
 def test_appends_and_compaction_keep_the_calibration_and_the_caches(tmp_path):
