@@ -133,10 +133,6 @@ def location(name: str, value: Any) -> str:
                      "Pass a directory path (str or pathlib.Path) or a URL such as s3://bucket/store.")
 
 
-def optional_location(name: str, value: Any) -> str | None:
-    return None if value is None else location(name, value)
-
-
 def one_of(name: str, value: Any, choices: Iterable[str]) -> str:
     options = tuple(choices)
     if isinstance(value, str) and value in options:

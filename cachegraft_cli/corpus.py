@@ -84,6 +84,7 @@ def content_id(title: str, text: str) -> str:
 
 
 def slugify(title: str) -> str:
+    """Lowercase, runs of non-alphanumerics -> '-' (passage ids of SQuAD files, here and in `evaluate`)."""
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "untitled"
 
 

@@ -210,17 +210,6 @@ class ModelSession:
                                               "prefix_token_ids": self.template.prefix_ids()})
 
 
-def open_existing(url: str, storage_options: dict | None = None):
-    """The store at `url`, or None when there is none yet."""
-    from cachegraft_cli.errors import StoreNotFoundError
-    from cachegraft_cli.store import CacheStore
-
-    try:
-        return CacheStore.open(url, storage_options=storage_options)
-    except StoreNotFoundError:
-        return None
-
-
 def check_kinds(store, also_own_cache: bool) -> None:
     if also_own_cache and "own" not in store.kinds:
         raise StoreMismatchError(

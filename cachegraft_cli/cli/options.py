@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -27,7 +26,6 @@ BatchOpt = Annotated[
     int, typer.Option("--batch-size", "-b", help="Passages or questions per forward pass (1 to 4096).")
 ]
 TopKOpt = Annotated[int, typer.Option("-k", "--top-k", help="Passages to retrieve (at least 1).")]
-OutDirOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 InstructionOpt = Annotated[
     Optional[str],
     typer.Option("--instruction", help="System instruction of the prompt template (pinned in the store)."),

@@ -13,12 +13,6 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
 def stdout_console():
     from rich.console import Console
 

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachegraft_cli.corpus import slugify  # the corpus reader's ids: one definition
 from cachegraft_cli.errors import DatasetError, HubUnreachableError, UsageError
 
 CORPUS_MODES = ("articles", "full")
@@ -75,11 +76,6 @@ class DatasetSpec:
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
-
-
-def slugify(title: str) -> str:
-    """Lowercase, runs of non-alphanumerics -> '-' (as the corpus reader does)."""
-    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "untitled"
 
 
 def squad_passage_id(title: str, index: int, occurrence: int = 1) -> str:

@@ -16,7 +16,6 @@ import numpy as np
 from cachegraft_cli.errors import StoreError, UsageError
 
 DEFAULT_CODEC = "int8"  # a new store's, chosen by measurement (README, "Design decisions")
-CODECS = ("bf16", "int8", "int4", "k8v4", "k2v4", "int2", "float32", "tc")
 
 
 @dataclass(frozen=True)
@@ -610,6 +609,7 @@ def grouped(a: np.ndarray, tokens: int) -> np.ndarray:
 
 _BY_NAME = {c.name: c for c in (Bf16Codec, Int8Codec, Int4Codec, K8V4Codec, K2V4Codec, Int2Codec, Float32Codec,
                                 TransformCodec)}
+CODECS = tuple(_BY_NAME)  # every codec's name, in the order help texts list them
 
 
 def get_codec(name: str, geometry: dict, params: dict | None = None, stored: bool = False) -> Codec:

@@ -25,10 +25,6 @@ def stack(kv: PlainKV) -> torch.Tensor:
     return torch.stack([torch.stack([k, v]) for k, v in kv])
 
 
-def unstack(t: torch.Tensor) -> PlainKV:
-    return [(t[i, 0], t[i, 1]) for i in range(t.shape[0])]
-
-
 def bank_identity(receiver, sharer, template, dtype: str, notes: dict | None = None) -> dict:
     """What the bank's caches depend on (`notes`: `notes_identity` of the passages' notes, if any)."""
     return {
