@@ -7,10 +7,10 @@ import typer
 
 from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
 from cachegraft_cli.cli.options import (
-    BlendLayerOpt,
-    BlendOpt,
     DeviceOpt,
     DtypeOpt,
+    HiddenBlendLayerOpt,
+    HiddenBlendOpt,
     JsonOpt,
     OrderOpt,
     RecomputeOpt,
@@ -35,8 +35,8 @@ def ask(
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
-    blend: BlendOpt = 0.0,
-    blend_layer: BlendLayerOpt = 1,
+    blend: HiddenBlendOpt = 0.0,
+    blend_layer: HiddenBlendLayerOpt = 1,
     questions: Annotated[
         Optional[str],
         typer.Option("--questions", "-q", help="Batch mode: JSONL file of {id, question}, or - for stdin."),

@@ -32,29 +32,30 @@ def encode(
     codec: Annotated[
         Optional[str],
         typer.Option(help="int8 (0.47x raw bf16 KV, within 1 F1 point of lossless), bf16 (lossless, 0.81x), k8v4 "
-                     "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), k2v4 or int2 (2-bit keys: 0.19x / "
-                     "0.14x, -17 to -20 F1), tc (the transform codec: 0.18x at int4's fidelity or better, slower to "
-                     "load; needs a calibration: --calibration, or the one the offline fuser ships) (default: the "
-                     "store's, int8 for a new one)."),
+                     "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), tc (the transform codec: 0.18x at "
+                     "int4's fidelity or better, slower to load; needs a calibration: --calibration, or the one the "
+                     "offline fuser ships) (default: the store's, int8 for a new one)."),
     ] = None,
+    # Research controls (docs/experiments.md): they cost answer quality or only serve an experiment,
+    # so they stay off the help; they work as ever, and `evaluate` variants reach them too.
     keep: Annotated[Optional[float], typer.Option(
-        help="Store only this share of each passage's tokens, e.g. 0.5; kept tokens keep their positions "
-             "(default: the store's, 1 = every token for a new one).")] = None,
+        hidden=True, help="Store only this share of each passage's tokens, e.g. 0.5; kept tokens keep their "
+                          "positions (default: the store's, 1 = every token for a new one).")] = None,
     keep_by: Annotated[Optional[str], typer.Option(
-        help="How --keep chooses tokens: even (evenly spaced, the default), attention (received at the "
-             "receiver's last layers) or norm.")] = None,
+        hidden=True, help="How --keep chooses tokens: even (evenly spaced, the default), attention (received at "
+                          "the receiver's last layers) or norm.")] = None,
     compressor: Annotated[Optional[str], typer.Option(
         help="zstd (smaller) or none (about 40% less writer CPU for 10-20% more bytes: for a writer that "
              "must keep up with a GPU) (default: the store's, zstd for a new one).")] = None,
     mismatched_sharer: Annotated[Optional[bool], typer.Option(
-        "--mismatched-sharer/--no-mismatched-sharer",
+        "--mismatched-sharer/--no-mismatched-sharer", hidden=True,
         help="A control store for `--system mismatched`: the sharer reads another passage of the corpus "
              "(nearest in length, another title) instead of each passage (default: the store's, off for a "
              "new one).")] = None,
     sharer_notes: Annotated[Optional[int], typer.Option(
-        min=0, max=1024, help="The sharer writes up to N tokens of notes about each passage (key facts as "
-                              "question-answer pairs); they are stored and fused with it (default: the store's, "
-                              "0 = none for a new one).")] = None,
+        min=0, max=1024, hidden=True, help="The sharer writes up to N tokens of notes about each passage (key "
+                                           "facts as question-answer pairs); they are stored and fused with it "
+                                           "(default: the store's, 0 = none for a new one).")] = None,
     calibration: Annotated[Optional[str], typer.Option(
         help="A new --codec tc store's calibration file (from `cachegraft store calibrate`; default: the one "
              "shipped with the preset's fuser).")] = None,

@@ -40,13 +40,13 @@ RecomputeOpt = Annotated[
     typer.Option("--recompute", help="Stored caches: re-read the first N tokens of each later passage in "
                                             "context (0: off)."),
 ]
-BlendOpt = Annotated[
-    float,
-    typer.Option("--blend",
-                 help="Stored caches: also recompute this share of the other passage tokens, those whose KV "
-                      "deviates most (CacheBlend; costs a forward; 0 to 1)."),
-]
-BlendLayerOpt = Annotated[
-    int, typer.Option("--blend-layer", help="Layer whose KV deviation picks the --blend tokens.")
-]
+_BLEND_HELP = ("Stored caches: also recompute this share of the other passage tokens, those whose KV deviates "
+               "most (CacheBlend; costs a forward; 0 to 1).")
+_BLEND_LAYER_HELP = "Layer whose KV deviation picks the --blend tokens."
+BlendOpt = Annotated[float, typer.Option("--blend", help=_BLEND_HELP)]
+BlendLayerOpt = Annotated[int, typer.Option("--blend-layer", help=_BLEND_LAYER_HELP)]
+# The same options off the help of `ask` and `serve`: research controls that cost answer quality
+# (docs/experiments.md); they work as ever, and `evaluate` shows them.
+HiddenBlendOpt = Annotated[float, typer.Option("--blend", hidden=True, help=_BLEND_HELP)]
+HiddenBlendLayerOpt = Annotated[int, typer.Option("--blend-layer", hidden=True, help=_BLEND_LAYER_HELP)]
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="Position scheme for stored caches: rotate or shared.")]

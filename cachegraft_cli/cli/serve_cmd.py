@@ -7,10 +7,10 @@ import typer
 
 from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE
 from cachegraft_cli.cli.options import (
-    BlendLayerOpt,
-    BlendOpt,
     DeviceOpt,
     DtypeOpt,
+    HiddenBlendLayerOpt,
+    HiddenBlendOpt,
     OrderOpt,
     RecomputeOpt,
     SchemeOpt,
@@ -34,8 +34,8 @@ def serve(
     scheme: SchemeOpt = "rotate",
     order: OrderOpt = DEFAULT_ORDER,
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
-    blend: BlendOpt = 0.0,
-    blend_layer: BlendLayerOpt = 1,
+    blend: HiddenBlendOpt = 0.0,
+    blend_layer: HiddenBlendLayerOpt = 1,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Default answer length limit in tokens.")] = 48,
     temperature: Annotated[float, typer.Option(min=0.0, help="Default temperature (0 = greedy).")] = 0.0,
     index_kind: Annotated[Optional[str], typer.Option(help="Search hybrid indexes as bm25 or dense.")] = None,

@@ -259,6 +259,13 @@ def calibrate(
     max_tokens: Annotated[int | None, typer.Option(
         min=1000, help="Calibrate on the store's first passages up to this many tokens (default: 50,000, fewer "
                        "where their float32 caches would pass 1.5 GB).")] = None,
+    weighting: Annotated[bool, typer.Option(
+        "--weighting/--no-weighting", help="Shape the error by what it costs the store's receiver (its queries "
+                                           "and output projections; loads the receiver). Experimental: not yet "
+                                           "measured on the fidelity benchmark.")] = False,
+    layer_steps: Annotated[bool, typer.Option(
+        "--layer-steps/--uniform-steps", help="Take the per-layer step multipliers measured for this receiver, "
+                                              "where the store's fuser ships a calibration that records them.")] = True,
     json: JsonOpt = False,
 ) -> None:
     """Fit a transform-codec calibration on a store's caches, for `encode --codec tc --calibration FILE`."""
@@ -273,13 +280,15 @@ def calibrate(
         from cachegraft_cli.errors import UsageError
 
         raise UsageError(f"the directory of {str(target)!r} does not exist.", "Create it, or write elsewhere.")
-    cal, tokens = fit_from_store(store, tf.FitSettings(key_step=key_step, value_step=value_step), max_tokens, ratio)
+    settings = tf.FitSettings(key_step=key_step, value_step=value_step)
+    cal, tokens = fit_from_store(store, settings, max_tokens, ratio, weighted=weighting, layer_steps=layer_steps)
     key_step, value_step = cal.info["key_step"], cal.info["value_step"]
     target.write_bytes(cal.to_bytes())
     bits = cal.info["bits_per_element"]
     report = {"out": str(target), "tokens": tokens, "bytes": len(cal.to_bytes()), "sha256": cal.sha256,
               "key_step": key_step, "value_step": value_step, "rope_theta": cal.info["rope_theta"],
-              "bits_per_element": bits, "ratio_to_raw_bf16": round(bits / 16, 4)}
+              "bits_per_element": bits, "ratio_to_raw_bf16": round(bits / 16, 4),
+              "weighting": cal.info["weighting"], "layer_steps": cal.info["layer_steps"] is not None}
     if json:
         emit_json(report)
         return

@@ -77,12 +77,19 @@ def codec_params(codec: str, calibration: str | None, fuser_spec: str | None, ex
     return {"calibration": load_file(path)}
 
 
-def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: float | None = None):
+WEIGHTING = "receiver"  # the error weighted by the receiver's queries and output projections
+
+
+def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: float | None = None,
+                   weighted: bool = False, layer_steps: bool = False):
     """A calibration fitted on a store's fused caches, its passages in commit order up to
     `max_tokens` (`settings`: `store.transform.FitSettings`; RoPE theta and the prefix length
     are taken from the store's receiver and template when not set). With `ratio`, both steps
     are scaled (their proportion kept) until the calibration codes its own passages at that
-    share of raw bf16 (`store.transform.fit_to_ratio`)."""
+    share of raw bf16 (`store.transform.fit_to_ratio`). `weighted`: the error shaped by what it
+    costs the receiver (`lm.errorcost`; loads the store's receiver). `layer_steps`: the per-layer
+    step multipliers of the store's fuser's shipped calibration, where it records some and
+    `settings` names none."""
     from dataclasses import replace
 
     from cachegraft_cli.store import CacheStore, transform as tf
@@ -100,13 +107,43 @@ def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: flo
     if tokens < 1000:
         raise UsageError(f"store {url} holds {tokens} tokens; a calibration needs at least 1,000 (a few "
                          "thousand fit well).", "Encode more passages first, or use a shipped calibration.")
+    roots = receiver_roots(store, picked) if weighted else None  # the model loads (or fails) before the reading
     caches = store.read(picked)
     settings = replace(settings, position_offset=len(store.prefix_token_ids),
                        rope_theta=settings.rope_theta or rope_theta_of(store.identity))
+    if layer_steps and settings.layer_steps is None:
+        found = shipped_layer_steps(store.identity)
+        settings = replace(settings, layer_steps=None if found is None else tuple(map(tuple, found)))
     source = f"{len(picked)} passages of {url}"
+    weighting = WEIGHTING if weighted else None
     if ratio is not None:
-        return tf.fit_to_ratio(caches, settings, ratio, source), tokens
-    return tf.fit(caches, settings, source=source), tokens
+        return tf.fit_to_ratio(caches, settings, ratio, source, roots=roots, weighting=weighting), tokens
+    return tf.fit(caches, settings, source=source, roots=roots, weighting=weighting), tokens
+
+
+def shipped_layer_steps(identity: dict) -> list | None:
+    """The per-layer step multipliers recorded in the calibration shipped with a store's fuser
+    (measured for that receiver: `benchmarks/layer_sensitivity.py`), when its geometry is the store's."""
+    path = shipped_file((identity.get("fuser") or {}).get("name"))
+    if path is None:
+        return None
+    info = load_file(path).info
+    return info.get("layer_steps") if info["geometry"] == identity.get("geometry") else None
+
+
+def receiver_roots(store, ids: list[str], max_tokens: int = 20_000):
+    """The error forms of the store's receiver (`lm.errorcost.error_roots`), its queries taken on
+    the passages `ids` read as encode read them (template prefix, then the passage block)."""
+    from cachegraft_cli.lm.errorcost import error_roots
+    from cachegraft_cli.lm.models import load_causal_lm
+    from cachegraft_cli.lm.template import PromptTemplate
+
+    lm = load_causal_lm((store.identity.get("receiver") or {}).get("name", ""))
+    template = PromptTemplate.for_tokenizer(lm.tokenizer)
+    prefix = list(store.prefix_token_ids)
+    wanted = set(ids)
+    token_lists = [prefix + template.passage_ids(row.title, row.read_text) for row in store.rows() if row.id in wanted]
+    return error_roots(lm.model, token_lists, max_tokens)
 
 
 def rope_theta_of(identity: dict) -> float:

@@ -51,16 +51,21 @@ class QueryCapture:
 
         return record
 
-    def queries(self, layer: int) -> torch.Tensor:
-        """The layer's RoPE'd queries `(batch, heads, tokens, head_dim)` of the last forward."""
-        hidden, cos, sin = self.inputs[layer]
+    def raw_queries(self, layer: int) -> torch.Tensor:
+        """The layer's queries before RoPE `(batch, heads, tokens, head_dim)` of the last forward."""
+        hidden = self.inputs[layer][0]
         attn = self.modules[layer]
         batch, tokens, _ = hidden.shape
         q = attn.q_proj(hidden).view(batch, tokens, -1, attn.head_dim)
         norm = getattr(attn, "q_norm", None)
         if norm is not None:
             q = norm(q)
-        q = q.transpose(1, 2)
+        return q.transpose(1, 2)
+
+    def queries(self, layer: int) -> torch.Tensor:
+        """The layer's RoPE'd queries `(batch, heads, tokens, head_dim)` of the last forward."""
+        q = self.raw_queries(layer)
+        cos, sin = self.inputs[layer][1:]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         half = q.shape[-1] // 2
         rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FORMAT = "cachegraft-tc-calibration/1"
+# a calibration whose error is weighted by what it costs the model (`synthesis.*` arrays): readers
+# that know only FORMAT refuse it instead of rebuilding with the analysis matrix's transpose
+WEIGHTED_FORMAT = "cachegraft-tc-calibration/2"
 RIDGE = 1e-4  # the prediction's ridge, relative to the context's mean energy: well-posed on few tokens
 CLASSES_PER_OCTAVE = 4  # entropy classes by the symbols' spread: 1/4 octave apart
 SPREAD_RANGE = (-8.0, 10.0)  # log2 spreads beyond are put in the end classes
@@ -34,7 +37,8 @@ MAX_RADIUS = 32767  # symbols are int16 at most; beyond a class's radius they ar
 @dataclass
 class Calibration:
     """A fitted transform codec. `arrays` hold per layer and K/V (`k`, `v`): `map.{l}.{k}`
-    (context + 1, C), `mean.{l}.{k}` (C,), `basis.{l}.{k}` (C, C); and `step` (L, 2),
+    (context + 1, C), `mean.{l}.{k}` (C,), `basis.{l}.{k}` (C, C) (the analysis matrix; with
+    `synthesis.{l}.{k}` (C, C), rebuilt through that, else through its transpose); and `step` (L, 2),
     `inv_freq` (D/2,), `klass` (L, 2, C) int16 (-1: never coded), `counts` (classes, 2R+1)
     int64 histograms, `radius` (classes,) int32. `info` is the file's JSON metadata."""
 
@@ -78,9 +82,9 @@ class Calibration:
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the same refusal
             raise StoreMetadataError(f"transform-codec calibration does not read: {exc}",
                                      hint="Restore the file from a backup, or re-encode the store.") from None
-        if info.get("format") != FORMAT:
+        if info.get("format") not in (FORMAT, WEIGHTED_FORMAT):
             raise StoreMetadataError(f"transform-codec calibration has format {info.get('format')!r}, this cachegraft "
-                                     f"reads {FORMAT!r}.", hint="Upgrade cachegraft.")
+                                     f"reads {FORMAT!r} and {WEIGHTED_FORMAT!r}.", hint="Upgrade cachegraft.")
         return cls(arrays, info, data)
 
     # -- the models -------------------------------------------------------------
@@ -106,9 +110,10 @@ class Widened(dict):
 
     def __missing__(self, key):
         kind, _, rest = key.partition(".")
-        if kind == "scaled":  # basis.T times the step: symbols straight to the layer's units
+        if kind == "scaled":  # the synthesis (basis.T) times the step: symbols straight to the layer's units
             layer, name = rest.split(".")
-            value = np.ascontiguousarray(self[f"basis.{rest}"].T * self["step"][int(layer), "kv".index(name)])
+            synthesis = self[f"synthesis.{rest}"] if f"synthesis.{rest}" in self.stored else self[f"basis.{rest}"].T
+            value = np.ascontiguousarray(synthesis * self["step"][int(layer), "kv".index(name)])
         elif kind == "const":  # the mean plus the prediction's bias: one addition
             m = self.get(f"map.{rest}")
             value = self[f"mean.{rest}"] + (m[-1] if m is not None else 0)
@@ -295,9 +300,15 @@ class FitSettings:
     layer_steps: tuple | None = None
 
 
-def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Calibration:
-    """Fit on passages' float32 caches `(T, L, 2, H, D)` (their tokens at positions offset + 0, 1, ...)."""
+def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "", roots: np.ndarray | None = None,
+        weighting: str | None = None) -> Calibration:
+    """Fit on passages' float32 caches `(T, L, 2, H, D)` (their tokens at positions offset + 0, 1, ...).
+    With `roots` `(L, 2, H, D, D)` (`lm.errorcost.error_roots`, named by `weighting`), the error is
+    shaped by what it costs the model: the basis and steps are fitted in the space where an
+    error e costs |e S|^2, S the KV head's root."""
     layers, _, heads, dim = caches[0].shape[1:]
+    if roots is not None and np.shape(roots) != (layers, 2, heads, dim, dim):
+        raise ValueError(f"roots must be ({layers}, 2, {heads}, {dim}, {dim})")
     if settings.layer_steps is not None and (np.shape(settings.layer_steps) != (layers, 2)
                                              or not (np.asarray(settings.layer_steps) > 0).all()):
         raise ValueError(f"layer_steps must be ({layers}, 2) positive multipliers")
@@ -313,7 +324,8 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
     for layer in range(layers):
         for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
             scale = 1.0 if settings.layer_steps is None else float(settings.layer_steps[layer][kv])
-            _fit_layer(arrays, layer, kv, x[:, layer], context(rk, rv, layer, kv), steps[kv] * scale, settings)
+            root = None if roots is None else _block_diagonal(roots[layer, kv])
+            _fit_layer(arrays, layer, kv, x[:, layer], context(rk, rv, layer, kv), steps[kv] * scale, settings, root)
             pred = predict(work, layer, kv, rk, rv)
             z = ((x[:, layer] - pred - work[f"const.{layer}.{'kv'[kv]}"]) @ work[f"basis.{layer}.{'kv'[kv]}"]) \
                 / arrays["step"][layer, kv]
@@ -322,7 +334,8 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
             recon[:, layer] = rebuild(work, layer, kv, q, ones, pred)
     arrays.update(_classes(symbols))
     bits = _token_bits(arrays, symbols)
-    info = {"format": FORMAT, "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
+    info = {"format": FORMAT if roots is None else WEIGHTED_FORMAT, "weighting": weighting,
+            "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
             "group": settings.group, "group_words": _group_words(bits, settings),
             # on its own passages (in-sample); other passages cost more (docs/results.md, "Store size")
             "bits_per_element": round(float(bits.mean() / symbols[0].size), 4),
@@ -336,7 +349,7 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "") -> Ca
 
 
 def fit_to_ratio(caches: list[np.ndarray], settings: FitSettings, ratio: float, source: str = "",
-                 tries: int = 7) -> Calibration:
+                 tries: int = 7, roots: np.ndarray | None = None, weighting: str | None = None) -> Calibration:
     """`fit` with both steps scaled by one factor (their proportion kept), found by bisection in
     log space on up to 10,000 of the tokens, so that the calibration codes its own passages at
     about `ratio` of raw bf16 (16 bits per element x ratio). Passages unlike them cost more."""
@@ -352,16 +365,16 @@ def fit_to_ratio(caches: list[np.ndarray], settings: FitSettings, ratio: float, 
     for _ in range(tries):
         mid = float(np.sqrt(lo * hi))
         scaled = replace(settings, key_step=settings.key_step * mid, value_step=settings.value_step * mid)
-        if fit(sample, scaled).info["bits_per_element"] > 16 * ratio:
+        if fit(sample, scaled, roots=roots).info["bits_per_element"] > 16 * ratio:
             lo = mid
         else:
             hi = mid
     return fit(caches, replace(settings, key_step=round(settings.key_step * hi, 4),
-                               value_step=round(settings.value_step * hi, 4)), source)
+                               value_step=round(settings.value_step * hi, 4)), source, roots, weighting)
 
 
 def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray | None, step: float,
-               settings: FitSettings) -> None:
+               settings: FitSettings, root: np.ndarray | None = None) -> None:
     name = "kv"[kv]
     x64 = x.astype(np.float64)
     residual = x64
@@ -373,17 +386,29 @@ def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray
         arrays[f"map.{layer}.{name}"] = m.astype(np.float16)  # the residual is taken from the stored map
         residual = x64 - design @ m.astype(np.float16).astype(np.float64)
     mean = residual.mean(0)
+    weight = np.eye(x.shape[1]) if root is None else root
     basis = np.eye(x.shape[1])
     if settings.transform:
-        # the eigenvectors of the residuals' scatter: a complete orthonormal basis even from fewer
-        # tokens than channels (directions unseen in calibration are never-coded components)
-        centred = residual - mean
+        # the eigenvectors of the (weighted) residuals' scatter: a complete orthonormal basis even
+        # from fewer tokens than channels (directions unseen in calibration are never-coded components)
+        centred = (residual - mean) @ weight
         energy, vectors = np.linalg.eigh(centred.T @ centred)
         basis = vectors[:, np.argsort(energy)[::-1]]
     arrays[f"mean.{layer}.{name}"] = mean.astype(np.float16)
-    arrays[f"basis.{layer}.{name}"] = basis.astype(np.float16)
-    # in units of the layer's own spread, not its residual's: one step means one error level
-    arrays["step"][layer, kv] = np.float32(step * np.sqrt(((x64 - x64.mean(0)) ** 2).mean()))
+    arrays[f"basis.{layer}.{name}"] = (weight @ basis).astype(np.float16)  # analysis: weight, then rotate
+    if root is not None:
+        arrays[f"synthesis.{layer}.{name}"] = (basis.T @ np.linalg.inv(weight)).astype(np.float16)
+    # in units of the layer's own (weighted) spread, not its residual's: one step means one error level
+    arrays["step"][layer, kv] = np.float32(step * np.sqrt((((x64 - x64.mean(0)) @ weight) ** 2).mean()))
+
+
+def _block_diagonal(blocks: np.ndarray) -> np.ndarray:
+    """`(H, D, D)` per-head blocks as one `(H*D, H*D)` matrix."""
+    heads, dim = blocks.shape[:2]
+    out = np.zeros((heads * dim, heads * dim))
+    for h in range(heads):
+        out[h * dim:(h + 1) * dim, h * dim:(h + 1) * dim] = blocks[h]
+    return out
 
 
 def _token_bits(arrays: dict, symbols: np.ndarray) -> np.ndarray:

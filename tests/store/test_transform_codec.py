@@ -143,6 +143,59 @@ def test_layer_steps_scale_each_layers_steps_and_are_recorded():
             tc_calibration(layer_steps=bad)
 
 
+def roots(seed: int = 0, spread: float = 30.0, geometry: dict | None = None) -> np.ndarray:
+    """Error forms' roots `(L, 2, H, D, D)`: random symmetric ones, eigenvalues `spread` apart."""
+    g = geometry or GEOMETRY
+    rng = np.random.default_rng(seed)
+    out = np.zeros((g["layers"], 2, g["kv_heads"], g["head_dim"], g["head_dim"]))
+    for idx in np.ndindex(out.shape[:3]):
+        q, _ = np.linalg.qr(rng.standard_normal((g["head_dim"], g["head_dim"])))
+        energy = spread ** np.linspace(-0.5, 0.5, g["head_dim"])
+        out[idx] = (q * np.sqrt(energy / energy.mean())) @ q.T
+    return out
+
+
+def weighted_error(cal, caches: list[np.ndarray], forms: np.ndarray) -> float:
+    """Mean |e S|^2 of passages' round trips through `cal` (keys un-rotated, S the head's root),
+    relative to |x S|^2."""
+    c = get_codec("tc", GEOMETRY, {"calibration": cal})
+    cost = scale = 0.0
+    for x in caches:
+        pos = 4 + np.arange(len(x))
+
+        def unrotated(cache, pos=pos):
+            keys, values = tf.split(cache, pos, cal.arrays["inv_freq"])
+            return np.stack([keys, values], 2).reshape(cache.shape)
+
+        ref = unrotated(x)
+        e = unrotated(c.decode(c.encode(x), 0, len(x))) - ref
+        cost += float((np.einsum("tlkhd,lkhde->tlkhe", e, forms) ** 2).sum())
+        scale += float((np.einsum("tlkhd,lkhde->tlkhe", ref, forms) ** 2).sum())
+    return cost / scale
+
+
+def test_a_weighted_fit_spends_its_error_where_it_costs_less():
+    """With error forms, the fit works in the space where an error e costs |e S|^2: a new format
+    that readers of the first one refuse, rebuilt through its own synthesis, and at the same bits
+    its weighted error is below an unweighted fit's."""
+    forms = roots()
+    x = [structured_cache(np.random.default_rng(s), 50) for s in (100, 101)]
+    settings = tf.FitSettings(rope_theta=10000.0, position_offset=4)
+    caches = [structured_cache(np.random.default_rng(s), 50) for s in range(12)]
+    plain = tf.fit_to_ratio(caches, settings, 0.1, source="tests")
+    weighted = tf.fit_to_ratio(caches, settings, 0.1, source="tests", roots=forms, weighting="tests")
+    assert plain.info["format"] == tf.FORMAT and weighted.info["format"] == tf.WEIGHTED_FORMAT != tf.FORMAT
+    assert weighted.info["weighting"] == "tests" and "synthesis.0.k" in weighted.arrays
+    assert not any(k.startswith("synthesis.") for k in plain.arrays)
+    assert abs(weighted.info["bits_per_element"] - plain.info["bits_per_element"]) < 0.1
+    back = tf.Calibration.from_bytes(weighted.to_bytes())
+    assert weighted_error(back, x, forms) < 0.8 * weighted_error(plain, x, forms)
+    synthesis, analysis = back.work["synthesis.1.v"], back.work["basis.1.v"]
+    assert np.allclose(analysis @ synthesis, np.eye(C), atol=2e-2)  # the synthesis undoes the analysis
+    with pytest.raises(ValueError, match="roots"):
+        tf.fit(caches, settings, roots=forms[:, :, :1])
+
+
 def test_a_file_that_is_not_a_calibration_is_refused():
     with pytest.raises(StoreMetadataError, match="does not read"):
         tf.Calibration.from_bytes(b"not safetensors")
