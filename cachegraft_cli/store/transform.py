@@ -306,6 +306,8 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "", roots
     With `roots` `(L, 2, H, D, D)` (`lm.errorcost.error_roots`, named by `weighting`), the error is
     shaped by what it costs the model: the basis and steps are fitted in the space where an
     error e costs |e S|^2, S the KV head's root."""
+    from scipy.linalg import block_diag
+
     layers, _, heads, dim = caches[0].shape[1:]
     if roots is not None and np.shape(roots) != (layers, 2, heads, dim, dim):
         raise ValueError(f"roots must be ({layers}, 2, {heads}, {dim}, {dim})")
@@ -324,7 +326,7 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "", roots
     for layer in range(layers):
         for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
             scale = 1.0 if settings.layer_steps is None else float(settings.layer_steps[layer][kv])
-            root = None if roots is None else _block_diagonal(roots[layer, kv])
+            root = None if roots is None else block_diag(*roots[layer, kv])
             _fit_layer(arrays, layer, kv, x[:, layer], context(rk, rv, layer, kv), steps[kv] * scale, settings, root)
             pred = predict(work, layer, kv, rk, rv)
             z = ((x[:, layer] - pred - work[f"const.{layer}.{'kv'[kv]}"]) @ work[f"basis.{layer}.{'kv'[kv]}"]) \
@@ -386,29 +388,24 @@ def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray
         arrays[f"map.{layer}.{name}"] = m.astype(np.float16)  # the residual is taken from the stored map
         residual = x64 - design @ m.astype(np.float16).astype(np.float64)
     mean = residual.mean(0)
-    weight = np.eye(x.shape[1]) if root is None else root
+
+    def weighted(a: np.ndarray) -> np.ndarray:  # into the space where the error's cost is its norm
+        return a if root is None else a @ root
+
     basis = np.eye(x.shape[1])
     if settings.transform:
         # the eigenvectors of the (weighted) residuals' scatter: a complete orthonormal basis even
         # from fewer tokens than channels (directions unseen in calibration are never-coded components)
-        centred = (residual - mean) @ weight
+        centred = weighted(residual - mean)
         energy, vectors = np.linalg.eigh(centred.T @ centred)
         basis = vectors[:, np.argsort(energy)[::-1]]
     arrays[f"mean.{layer}.{name}"] = mean.astype(np.float16)
-    arrays[f"basis.{layer}.{name}"] = (weight @ basis).astype(np.float16)  # analysis: weight, then rotate
+    arrays[f"basis.{layer}.{name}"] = (basis if root is None else root @ basis).astype(np.float16)  # analysis
     if root is not None:
-        arrays[f"synthesis.{layer}.{name}"] = (basis.T @ np.linalg.inv(weight)).astype(np.float16)
+        arrays[f"synthesis.{layer}.{name}"] = (basis.T @ np.linalg.inv(root)).astype(np.float16)
     # in units of the layer's own (weighted) spread, not its residual's: one step means one error level
-    arrays["step"][layer, kv] = np.float32(step * np.sqrt((((x64 - x64.mean(0)) @ weight) ** 2).mean()))
+    arrays["step"][layer, kv] = np.float32(step * np.sqrt((weighted(x64 - x64.mean(0)) ** 2).mean()))
 
-
-def _block_diagonal(blocks: np.ndarray) -> np.ndarray:
-    """`(H, D, D)` per-head blocks as one `(H*D, H*D)` matrix."""
-    heads, dim = blocks.shape[:2]
-    out = np.zeros((heads * dim, heads * dim))
-    for h in range(heads):
-        out[h * dim:(h + 1) * dim, h * dim:(h + 1) * dim] = blocks[h]
-    return out
 
 
 def _token_bits(arrays: dict, symbols: np.ndarray) -> np.ndarray:
