@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
     from cachegraft_cli.answering.ask import Asker, AskOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
 
     if args.use_store:
         url, session, (_, questions) = args.use_store, bc.session_for("closed"), bc.store_data(args.use_store)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     questions = [q.question for q in questions[: args.questions]]
     asker = Asker(url, session=session)
     asker.warm(args.system)
-    options = AskOptions(args.system, args.k, generation=GenerationConfig(args.max_new_tokens))
+    options = AskOptions(args.system, args.k, generation=GenerationOptions(args.max_new_tokens))
     have_many = hasattr(Asker, "ask_many")
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     runnable = [b for b in sizes if b == 1 or have_many]

@@ -101,7 +101,7 @@ _CALIBRATIONS: dict = {}
 def calibration(codec: str, session, args):
     """The calibration of `tc:KEY/VALUE[-nopred][-notransform]`, fitted once on the calibration store."""
     from cachegraft_cli.encoding.calibration import fit_from_store
-    from cachegraft_cli.store.transform import FitSettings
+    from cachegraft_cli.store.transform import FitOptions
 
     if codec.startswith("tcfile:"):  # a calibration file (`store calibrate`, `layer_sensitivity.py --out`)
         from cachegraft_cli.encoding.calibration import load_file
@@ -110,7 +110,7 @@ def calibration(codec: str, session, args):
     if codec not in _CALIBRATIONS:
         steps, *flags = codec[3:].split("-")
         key_step, value_step = (float(v) for v in steps.split("/"))
-        settings = FitSettings(key_step=key_step, value_step=value_step, predict="nopred" not in flags,
+        settings = FitOptions(key_step=key_step, value_step=value_step, predict="nopred" not in flags,
                                transform="notransform" not in flags)
         t0 = time.perf_counter()
         _CALIBRATIONS[codec] = fit_from_store(calibration_store(session, args), settings)[0]
@@ -211,9 +211,9 @@ def log_probs(lm, prompts: list, conts: list[list[int]], chunk: int = 8) -> list
 
 def greedy_answer(lm, prompt) -> list[int]:
     """The lossless greedy answer's ids, with the stop token that ended it (when one did)."""
-    from cachegraft_cli.lm.generation import GenerationConfig, generate, stop_ids
+    from cachegraft_cli.lm.generation import GenerationOptions, generate, stop_ids
 
-    gen = generate(lm, prompt, GenerationConfig(max_new_tokens=FLIP_TOKENS))
+    gen = generate(lm, prompt, GenerationOptions(max_new_tokens=FLIP_TOKENS))
     tokens = list(gen.token_ids)
     if len(tokens) < FLIP_TOKENS:
         tokens.append(min(stop_ids(lm)))  # the step that chose to stop is scored too

@@ -99,12 +99,12 @@ def main(argv=None) -> int:
 
     from cachegraft_cli.encoding.calibration import fit_from_store
     from cachegraft_cli.store import CacheStore
-    from cachegraft_cli.store.transform import FitSettings, fit_to_ratio
+    from cachegraft_cli.store.transform import FitOptions, fit_to_ratio
 
     session = bc.session_for(args.fuser, args.seed)
     args.calibration_store = None
     exact_url = calibration_store(session, args)
-    uniform = FitSettings(key_step=args.key_step, value_step=args.value_step)
+    uniform = FitOptions(key_step=args.key_step, value_step=args.value_step)
     cal, _ = fit_from_store(exact_url, uniform)
     coded_url = f"{exact_url.removesuffix('-float32')}-tc{args.key_step}v{args.value_step}"
     transcode(exact_url, coded_url, "tc", {"calibration": cal})

@@ -60,13 +60,13 @@ def conditions(k: int, variants: str) -> dict:
     """{label: AskOptions}: the systems at the library defaults, plus graft variants `graft@key=value...`."""
     from cachegraft_cli.answering.ask import AskOptions
     from cachegraft_cli.evaluation.variants import parse_variant
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
 
     labels = list(SYSTEMS) + ["graft@" + v.replace("+", "@") for v in variants.split(",") if v.strip()]
     out = {}
     for label in labels:
         variant = parse_variant(label)
-        out[label] = AskOptions(variant.system, k, generation=GenerationConfig(max_new_tokens=1), **variant.overrides)
+        out[label] = AskOptions(variant.system, k, generation=GenerationOptions(max_new_tokens=1), **variant.overrides)
     return out
 
 

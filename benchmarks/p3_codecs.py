@@ -98,9 +98,9 @@ def answer_all(askers: dict, questions, k: int, max_new: int) -> dict[str, list[
     """F1 per question per codec; codecs take turns question by question."""
     from cachegraft_cli.answering.ask import AskOptions
     from cachegraft_cli.evaluation.metrics import f1_score
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
 
-    options = AskOptions("graft", k, generation=GenerationConfig(max_new_tokens=max_new))
+    options = AskOptions("graft", k, generation=GenerationOptions(max_new_tokens=max_new))
     f1 = {c: [] for c in askers}
     for i, q in enumerate(questions):
         for codec in bc.rotated(list(askers), i):

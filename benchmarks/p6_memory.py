@@ -54,14 +54,14 @@ def child(args) -> int:
     """One ask in this (fresh) process; prints one JSON line of memory figures (MiB)."""
     bc.set_threads(args.threads)
     from cachegraft_cli.answering.ask import Asker, AskOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
 
     asker = Asker(args.store)
     asker.warm(args.child)
     load_peak, before = status_kb("VmHWM"), status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak RSS to the current RSS
         fh.write("5")
-    res = asker.ask(args.question, AskOptions(args.child, args.k, generation=GenerationConfig(args.max_new_tokens)))
+    res = asker.ask(args.question, AskOptions(args.child, args.k, generation=GenerationOptions(args.max_new_tokens)))
     ask_peak = status_kb("VmHWM")
     print(json.dumps({"system": args.child, "load_peak_mib": load_peak / 1024, "rss_before_ask_mib": before / 1024,
                       "ask_peak_mib": ask_peak / 1024, "ask_increment_mib": (ask_peak - before) / 1024,

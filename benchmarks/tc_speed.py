@@ -82,7 +82,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     mix = rng.normal(0, 1, (28, 2, 64, 1024)).astype(np.float32)
     t0 = time.perf_counter()
-    qcal = tf.fit([synthetic(rng, mix, 150) for _ in range(16)], tf.FitSettings(rope_theta=1e6))
+    qcal = tf.fit([synthetic(rng, mix, 150) for _ in range(16)], tf.FitOptions(rope_theta=1e6))
     print(f"qwen3-0.6b calibration: fitted in {time.perf_counter() - t0:.0f} s, {len(qcal.to_bytes()) / 1e6:.0f} MB")
     geometry = {"layers": 28, "kv_heads": 8, "head_dim": 128}
     test = [synthetic(rng, mix, 150) for _ in range(2)]

@@ -136,7 +136,7 @@ def codec_params(codec: str, geometry: dict, data: np.ndarray) -> dict | None:
 
         t0 = time.perf_counter()
         starts = range(0, min(1500, len(data) - 149), 150)
-        _FITTED[key] = tf.fit([data[i: i + 150] for i in starts], tf.FitSettings(), "writer_speed")
+        _FITTED[key] = tf.fit([data[i: i + 150] for i in starts], tf.FitOptions(), "writer_speed")
         print(f"# tc calibration for {geometry} fitted in {time.perf_counter() - t0:.1f}s "
               f"({len(_FITTED[key].to_bytes()):,} bytes)", file=sys.stderr)
     return {"calibration": _FITTED[key]}

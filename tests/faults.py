@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PRELOAD = ["cachegraft_cli.cli.app", "cachegraft_cli.encoding.plan", "cachegraft_cli.store",
-           "cachegraft_cli.retrieval.index", "cachegraft_cli.evaluation.run", "cachegraft_cli.evaluation.answerer",
+           "cachegraft_cli.retrieval.index", "cachegraft_cli.evaluation.protocol", "cachegraft_cli.evaluation.answerer",
            "cachegraft_cli.answering.ask", "cachegraft_cli.lm.kvcache", "cachegraft_cli.fuser.fusion",
            "cachegraft_cli.lm.models", "cachegraft_cli.lm.generation", "cachegraft_cli.retrieval.engines.tantivy",
            "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",

@@ -29,30 +29,30 @@ def free_port() -> int:
 
 class LiveServer:
     """uvicorn serving `build_app` in a thread, set up as `cachegraft serve` sets it up (read
-    deadlines, bounded drain: `timeouts`). `start_worker=False` leaves the engine's worker
-    stopped, so requests stay queued (deterministic queue and disconnect tests) until `.engine.start()`."""
+    deadlines, bounded drain: `timeouts`). `start_worker=False` leaves the worker's thread
+    stopped, so requests stay queued (deterministic queue and disconnect tests) until `.worker.start()`."""
 
     def __init__(self, stores: dict[str, str], api_key: str | None = None, start_worker: bool = True,
                  timeouts=None, **settings):
         from cachegraft_cli.answering.options import AskOptions
-        from cachegraft_cli.lm.sampling import GenerationConfig
-        from cachegraft_cli.serving.engine import Engine, EngineSettings
-        from cachegraft_cli.serving.http import AppConfig, build_app
+        from cachegraft_cli.lm.sampling import GenerationOptions
+        from cachegraft_cli.serving.http import AppOptions, build_app
         from cachegraft_cli.serving.requests import Limits
-        from cachegraft_cli.serving.run import Timeouts, bind, uvicorn_server
+        from cachegraft_cli.serving.server import Timeouts, bind, uvicorn_server
+        from cachegraft_cli.serving.worker import Worker, WorkerOptions
 
         limits = {k: settings.pop(k) for k in ("max_k", "max_new_tokens", "max_body") if k in settings}
-        defaults = AskOptions(k=2, generation=GenerationConfig(max_new_tokens=8))
+        defaults = AskOptions(k=2, generation=GenerationOptions(max_new_tokens=8))
         timeouts = timeouts or Timeouts()
-        self.engine = Engine(stores, settings=EngineSettings(**settings), log=lambda m: None)
-        self.engine.open("graft")
+        self.worker = Worker(stores, options=WorkerOptions(**settings), log=lambda m: None)
+        self.worker.open("graft")
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(self.engine, AppConfig(defaults, Limits(**limits), api_key, body_timeout=timeouts.body))
+        app = build_app(self.worker, AppOptions(defaults, Limits(**limits), api_key, body_timeout=timeouts.body))
         self.server = uvicorn_server(app, timeouts)
         if start_worker:
-            self.engine.start()
+            self.worker.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started)
@@ -60,8 +60,8 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.engine.start()  # a no-op unless the test left it stopped: queued work is answered, then it ends
-        self.engine.close()
+        self.worker.start()  # a no-op unless the test left it stopped: queued work is answered, then it ends
+        self.worker.close()
         self.sock.close()
 
     def __enter__(self):

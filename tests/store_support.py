@@ -167,4 +167,4 @@ def tc_calibration(geometry: dict | None = None, seed: int = 0, passages: int = 
 
     rng = np.random.default_rng(seed)
     caches = [structured_cache(rng, 50, geometry) for _ in range(passages)]
-    return tf.fit(caches, tf.FitSettings(rope_theta=10000.0, position_offset=4, **settings), source="tests")
+    return tf.fit(caches, tf.FitOptions(rope_theta=10000.0, position_offset=4, **settings), source="tests")

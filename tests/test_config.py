@@ -17,7 +17,7 @@ def test_the_offline_preset_carries_its_adapter_control():
 
 def test_evaluate_with_a_preset_alone_runs_its_adapter(capsys, monkeypatch, tmp_path):
     """`evaluate --preset offline --systems graft,adapter` needs no --adapter-fuser."""
-    import cachegraft_cli.evaluation.run as run_mod
+    import cachegraft_cli.evaluation.protocol as run_mod
 
     seen = {}
 

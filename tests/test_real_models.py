@@ -20,7 +20,7 @@ def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
     from cachegraft_cli.corpus import read_corpus
     from cachegraft_cli.encoding.local import encode_corpus
     from cachegraft_cli.encoding.plan import EncodeOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
     from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.session import ModelChoice, ModelSession
 
@@ -31,7 +31,7 @@ def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
     build_store_index(url)
     asker = Asker(url, session=session)
     question = "Who led the peat cutters that founded Harrowmere?"
-    answers = {s: asker.ask(question, AskOptions(s, 1, generation=GenerationConfig(12)))["answer"]
+    answers = {s: asker.ask(question, AskOptions(s, 1, generation=GenerationOptions(12)))["answer"]
                for s in ("graft", "text")}
     assert "Odile Varran" in answers["graft"], json.dumps(answers)
     assert answers["graft"] == answers["text"]

@@ -100,7 +100,7 @@ def evaluate(
     from cachegraft_cli.encoding.calibration import default_codec
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
-    from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+    from cachegraft_cli.evaluation.protocol import RunConfig, run_evaluation
     from cachegraft_cli.evaluation.variants import base_system
     from cachegraft_cli.fuser import check_fuser_spec
     from cachegraft_cli.session import ModelChoice

@@ -67,18 +67,18 @@ def serve(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from cachegraft_cli.answering.options import AskOptions, check_index_kind
     from cachegraft_cli.cli.output import showing_status
-    from cachegraft_cli.lm.sampling import GenerationConfig
-    from cachegraft_cli.serving.engine import EngineSettings
+    from cachegraft_cli.lm.sampling import GenerationOptions
     from cachegraft_cli.serving.requests import Limits
-    from cachegraft_cli.serving.run import ServeConfig, Timeouts, check_api_key, parse_stores, serve as run_server
+    from cachegraft_cli.serving.server import ServeOptions, Timeouts, check_api_key, parse_stores, serve as run_server
+    from cachegraft_cli.serving.worker import WorkerOptions
 
     check_index_kind(index_kind)
     defaults = AskOptions(system=system, k=k, scheme=scheme, order=order, recompute=recompute, blend=blend,
                           blend_layer=blend_layer,
-                          generation=GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature))
-    config = ServeConfig(parse_stores(store), host, port, check_api_key(api_key), defaults,
+                          generation=GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature))
+    config = ServeOptions(parse_stores(store), host, port, check_api_key(api_key), defaults,
                          Limits(max_k=max_k, max_new_tokens=max_tokens, max_body=max_body),
-                         EngineSettings(max_queue=max_queue, max_batch=max_batch, gather_seconds=batch_wait / 1000,
+                         WorkerOptions(max_queue=max_queue, max_batch=max_batch, gather_seconds=batch_wait / 1000,
                                         watch_seconds=watch),
                          Timeouts(headers=header_timeout, body=body_timeout, shutdown=shutdown_timeout),
                          sharer, device, dtype, index_kind, trust_remote_code)

@@ -280,7 +280,7 @@ def calibrate(
         from cachegraft_cli.errors import UsageError
 
         raise UsageError(f"the directory of {str(target)!r} does not exist.", "Create it, or write elsewhere.")
-    settings = tf.FitSettings(key_step=key_step, value_step=value_step)
+    settings = tf.FitOptions(key_step=key_step, value_step=value_step)
     cal, tokens = fit_from_store(store, settings, max_tokens, ratio, weighted=weighting, layer_steps=layer_steps)
     key_step, value_step = cal.info["key_step"], cal.info["value_step"]
     target.write_bytes(cal.to_bytes())

@@ -5,7 +5,7 @@ transformers, datasets, scipy, numpy and matplotlib load inside functions.
 """
 
 from cachegraft_cli.evaluation.datasets import QAExample, load_benchmark, parse_dataset_spec, squad_passage_id
-from cachegraft_cli.evaluation.run import Answerer, RunConfig, run_evaluation, write_outputs
+from cachegraft_cli.evaluation.protocol import Answerer, RunConfig, run_evaluation, write_outputs
 
 __all__ = [
     "Answerer", "QAExample", "RunConfig", "load_benchmark", "parse_dataset_spec", "run_evaluation",

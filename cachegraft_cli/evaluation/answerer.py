@@ -208,12 +208,12 @@ class StoreAnswerer:
         """AskOptions of a system label (`text@order=retrieval`): the run's assembly plus the label's overrides."""
         from cachegraft_cli.answering.ask import AskOptions
         from cachegraft_cli.evaluation.variants import parse_variant
-        from cachegraft_cli.lm.generation import GenerationConfig
+        from cachegraft_cli.lm.generation import GenerationOptions
 
         c, variant = self.config, parse_variant(label)
         settings = {"scheme": c.scheme, "order": c.order, "recompute": c.recompute, "blend": c.blend,
                     "blend_layer": c.blend_layer, **variant.assembly}
-        return AskOptions(variant.system, max(k, 1), generation=GenerationConfig(c.max_new_tokens), **settings)
+        return AskOptions(variant.system, max(k, 1), generation=GenerationOptions(c.max_new_tokens), **settings)
 
     def answer(self, benchmark_name: str, questions, system: str, k: int) -> list[dict]:
         from cachegraft_cli.evaluation.variants import parse_variant

@@ -14,7 +14,7 @@ import torch
 
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.align import TokenAligner
-from cachegraft_cli.lm.generation import Generation, GenerationConfig, Prompt, generate
+from cachegraft_cli.lm.generation import Generation, GenerationOptions, Prompt, generate
 from cachegraft_cli.lm.models import LoadedModel
 
 Section = tuple[list[int], bool]  # (receiver token ids, fused?)
@@ -47,7 +47,7 @@ def online_generate(
     sharer: LoadedModel | None,
     fuser,
     sections: list[Section],
-    config: GenerationConfig | None = None,
+    config: GenerationOptions | None = None,
 ) -> Generation:
     """Generate after the sections; the last section (the question) is receiver-only."""
     past, position = online_prefill(receiver, sharer, fuser, sections)

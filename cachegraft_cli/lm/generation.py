@@ -16,7 +16,7 @@ import torch
 
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.kvcache import PlainKV
-from cachegraft_cli.lm.sampling import GenerationConfig
+from cachegraft_cli.lm.sampling import GenerationOptions
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Row:
     `tag` is the caller's."""
 
     prompt: Prompt
-    config: GenerationConfig
+    config: GenerationOptions
     on_text: Callable[[str], None] | None = None
     cancelled: Callable[[], bool] | None = None
     started: float | None = None
@@ -133,7 +133,7 @@ class Row:
 def generate(
     lm,
     prompt: Prompt,
-    config: GenerationConfig | None = None,
+    config: GenerationOptions | None = None,
     on_text: Callable[[str], None] | None = None,
     started: float | None = None,
     cancelled: Callable[[], bool] | None = None,
@@ -144,7 +144,7 @@ def generate(
     retrieval and cache loading too. `cancelled()` true stops decoding after the
     current token (a server's client went away).
     """
-    config = config or GenerationConfig()
+    config = config or GenerationOptions()
     t_call = time.perf_counter()
     step = Stepper(lm, prompt)
     logits = step.first()
@@ -221,7 +221,7 @@ class Stepper:
         return out.logits[0, -1].float()
 
 
-def pick_token(logits: torch.Tensor, config: GenerationConfig, rng) -> int:
+def pick_token(logits: torch.Tensor, config: GenerationOptions, rng) -> int:
     if config.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / config.temperature, dim=-1)
@@ -262,7 +262,7 @@ class _Streamer:
 
 
 @torch.inference_mode()
-def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = None,
+def generate_batch(lm, prompts: list[Prompt], config: GenerationOptions | None = None,
                    streams: RowStreams | None = None) -> list[Generation]:
     """Greedy/sampled decoding of several prompts at once, each with its own past.
 
@@ -271,7 +271,7 @@ def generate_batch(lm, prompts: list[Prompt], config: GenerationConfig | None = 
     each row computes what it would alone (up to float summation order).
     `streams` hears each row's text as it is decoded and can stop a row.
     """
-    config = config or GenerationConfig()
+    config = config or GenerationOptions()
     t0 = time.perf_counter()
     step, logits, next_pos = prefill_batch(lm, prompts)
     t_prefill = time.perf_counter()
@@ -298,7 +298,7 @@ def prefill_batch(lm, prompts: list[Prompt]):
     return step, logits, positions[:, -1] + 1
 
 
-def _decode_rows(step, logits, next_pos, lm, config: GenerationConfig,
+def _decode_rows(step, logits, next_pos, lm, config: GenerationOptions,
                  streams: RowStreams | None = None) -> list[list[int]]:
     stops = stop_ids(lm)
     rows: list[list[int]] = [[] for _ in range(logits.shape[0])]

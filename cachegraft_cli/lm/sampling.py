@@ -17,13 +17,15 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 
 
 @dataclass
-class GenerationConfig:
+class GenerationOptions:
+    """How one answer is decoded (a call's choices, carried in `AskOptions.generation`)."""
+
     max_new_tokens: int = 48
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
 
-    def check(self) -> GenerationConfig:
+    def check(self) -> GenerationOptions:
         """Refuse a setting decoding cannot use (the API and the CLI share these messages)."""
         whole("max_new_tokens (--max-new-tokens)", self.max_new_tokens, 1)
         number("temperature (--temperature)", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -33,3 +35,8 @@ class GenerationConfig:
         probability("top_p", self.top_p)
         optional_whole("seed (--seed)", self.seed, 0, MAX_SEED)
         return self
+
+
+# The name the public API (`cachegraft_cli.GenerationConfig`) and the ask options were written
+# with: one class, kept importable under it.
+GenerationConfig = GenerationOptions

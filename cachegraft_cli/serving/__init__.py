@@ -1,8 +1,8 @@
 """`cachegraft serve`: an HTTP server over loaded stores (OpenAI-compatible chat, the native
 ask / retrieve endpoints), and the client `ask --server` uses.
 
-`requests.py` checks request bodies; `engine.py` queues questions and decodes them in a
+`requests.py` checks request bodies; `worker.py` queues questions and decodes them in a
 continuous batch (`lm/batching.py`) on one worker thread; `http.py` is the Starlette app;
-`run.py` starts it under uvicorn; `client.py` talks to a running server with the standard
+`server.py` starts it under uvicorn; `client.py` talks to a running server with the standard
 library alone. Starlette and uvicorn are the `serve` extra and are imported inside functions.
 """

@@ -1,6 +1,10 @@
 """The Starlette app: OpenAI-compatible chat completions and models, the native ask /
 retrieve / reload endpoints, health. Every failure is a JSON error in OpenAI's shape
 ({"error": {"message", "type", "param", "code"}}, plus CacheGraft's "hint"), never a traceback.
+
+Starlette is the `serve` extra: it is imported here, at the top, and this module is imported
+only inside the functions that start a server (`server.py`), so `cachegraft --help` and
+`ask --server` never load it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,15 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.answering.systems import SYSTEMS
@@ -32,7 +43,6 @@ from cachegraft_cli.errors import (
     StoreNotFoundError,
     UsageError,
 )
-from cachegraft_cli.serving.engine import Busy, Engine, Job
 from cachegraft_cli.serving.requests import (
     Limits,
     RequestError,
@@ -40,11 +50,12 @@ from cachegraft_cli.serving.requests import (
     chat_request,
     retrieve_request,
 )
+from cachegraft_cli.serving.worker import Busy, Job, JobKind, Worker
 
 
 @dataclass
-class AppConfig:
-    """What the endpoints need besides the engine: the defaults a request starts from
+class AppOptions:
+    """What the endpoints need besides the worker: the defaults a request starts from
     (the `serve` command's ask options), the limits, the key, the stores' paths."""
 
     defaults: AskOptions = field(default_factory=AskOptions)
@@ -95,9 +106,6 @@ def error_body(status: int, message: str, hint: str = "", param: str | None = No
 
 def error_response(exc: BaseException):
     """The one map from an exception to a response."""
-    from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse
-
     if isinstance(exc, ClientDisconnect):  # left mid-body: nobody will read this
         exc = ClientGone()
     if not isinstance(exc, CacheGraftError):
@@ -184,11 +192,11 @@ async def hung_up(receive) -> None:
 
 
 class Api:
-    """The endpoints over one engine."""
+    """The endpoints over one worker."""
 
-    def __init__(self, engine: Engine, config: AppConfig):
-        self.engine, self.config = engine, config
-        self.default_store = next(iter(engine.urls))
+    def __init__(self, worker: Worker, config: AppOptions):
+        self.worker, self.config = worker, config
+        self.default_store = next(iter(worker.urls))
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -212,22 +220,22 @@ class Api:
         found = self.find_store(store)
         if found is None:
             raise RequestError(f"No store {store!r} on this server.",
-                               f"Stores: {', '.join(self.engine.urls)} (GET /v1/models lists them).", status=404,
+                               f"Stores: {', '.join(self.worker.urls)} (GET /v1/models lists them).", status=404,
                                param="store", code="store_not_found")
         return found
 
     def find_store(self, given: str) -> str | None:
         """The name of the store `given` names (its name, or the path or URL it is served from)."""
-        if given in self.engine.urls:
+        if given in self.worker.urls:
             return given
-        return next((name for name, url in self.engine.urls.items() if _same_place(given, url)), None)
+        return next((name for name, url in self.worker.urls.items() if _same_place(given, url)), None)
 
     def model(self, model: str | None) -> tuple[str, str | None]:
         """(store, system or None) that a chat `model` names: STORE, SYSTEM or STORE/SYSTEM, where
         STORE is a store's name or the path it is served from (as `store` takes it)."""
         if not model:
             return self.default_store, None
-        if model in self.engine.urls:
+        if model in self.worker.urls:
             return model, None
         if model in SYSTEMS:
             return self.default_store, model
@@ -244,26 +252,28 @@ class Api:
                            code="model_not_found")
 
     def model_ids(self) -> list[str]:
-        ids = list(self.engine.urls)
-        for name, asker in self.engine.askers.items():
+        ids = list(self.worker.urls)
+        for name, asker in self.worker.askers.items():
             ids += [f"{name}/{s}" for s in _servable(asker)]
-        ids += [s for s in _servable(self.engine.askers[self.default_store])]
+        ids += [s for s in _servable(self.worker.askers[self.default_store])]
         return ids
 
     async def answer(self, job: Job, request=None) -> Any:
         """Queue `job` and wait for it. A client that hangs up meanwhile (or a request cancelled
         by the shutdown bound) frees its slot at once: a queued job is dropped, a decoding one
         stops after its current token; nobody waits for an answer no one will read."""
-        self.engine.submit(job)
+        self.worker.submit(job)
         result = asyncio.wrap_future(job.future)
-        watch = [asyncio.ensure_future(hung_up(request.receive))] if request is not None else []
+        watch: list[asyncio.Future[Any]] = []
+        if request is not None:
+            watch.append(asyncio.ensure_future(hung_up(request.receive)))
         try:
             await asyncio.wait([result, *watch], return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in watch:
                 task.cancel()
             if not result.done():  # the client left, or this request was cancelled
-                self.engine.cancel(job)
+                self.worker.cancel(job)
                 result.cancel()
         if result.cancelled():
             raise ClientGone()
@@ -272,45 +282,31 @@ class Api:
     # -- endpoints ---------------------------------------------------------------------------------
 
     async def health(self, request):
-        from starlette.responses import JSONResponse
-
-        stores = {name: {"passages": len(a.store), "indexed": len(a.index)} for name, a in self.engine.askers.items()}
-        return JSONResponse({"status": "ok", "stores": stores, "queue": self.engine.load()})
+        stores = {name: {"passages": len(a.store), "indexed": len(a.index)} for name, a in self.worker.askers.items()}
+        return JSONResponse({"status": "ok", "stores": stores, "queue": self.worker.load()})
 
     async def models(self, request):
-        from starlette.responses import JSONResponse
-
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "cachegraft"} for m in self.model_ids()]
         return JSONResponse({"object": "list", "data": data})
 
     async def ask(self, request):
-        from starlette.responses import JSONResponse
-
         q = ask_request(await self.body(request), self.config.defaults, self.config.limits)
-        job = Job("ask", self.store_name(q.store), q.question, q.options)
+        job = Job(JobKind.ASK, self.store_name(q.store), q.question, q.options)
         return JSONResponse(await self.answer(job, request))
 
     async def retrieve(self, request):
-        from starlette.responses import JSONResponse
-
         q = retrieve_request(await self.body(request), self.config.defaults, self.config.limits)
-        job = Job("retrieve", self.store_name(q.store), q.question, q.options)
+        job = Job(JobKind.RETRIEVE, self.store_name(q.store), q.question, q.options)
         return JSONResponse(await self.answer(job, request))
 
     async def reload(self, request):
-        from starlette.responses import JSONResponse
-
-        return JSONResponse(await self.answer(Job("reload", self.default_store), request))
+        return JSONResponse(await self.answer(Job(JobKind.RELOAD, self.default_store), request))
 
     async def chat(self, request):
-        from dataclasses import replace
-
-        from starlette.responses import JSONResponse, StreamingResponse
-
         chat = chat_request(await self.body(request), self.config.defaults, self.config.limits)
         store, system = self.model(chat.model)
         options = chat.question.options if system is None else replace(chat.question.options, system=system)
-        job = Job("ask", store, chat.question.question, options)
+        job = Job(JobKind.ASK, store, chat.question.question, options)
         reply = Reply(chat.model or store, options.generation.max_new_tokens)
         if not chat.stream:
             return JSONResponse(reply.completion(await self.answer(job, request)))
@@ -318,7 +314,7 @@ class Api:
         loop = asyncio.get_running_loop()
         job.on_text = lambda text: _put(loop, events, text)
         job.future.add_done_callback(lambda _: _put(loop, events, None))
-        self.engine.submit(job)  # before the response starts: a full queue is still a 429
+        self.worker.submit(job)  # before the response starts: a full queue is still a 429
         return StreamingResponse(self.stream(job, reply, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -338,7 +334,7 @@ class Api:
             yield "data: [DONE]\n\n"
         finally:
             if not job.future.done():
-                self.engine.cancel(job)  # the client went away mid-stream: its slot is free now
+                self.worker.cancel(job)  # the client went away mid-stream: its slot is free now
 
 
 def _put(loop, queue: asyncio.Queue, item) -> None:
@@ -424,16 +420,9 @@ def _same_place(given: str, url: str) -> bool:
         return False
 
 
-def build_app(engine: Engine, config: AppConfig):
+def build_app(worker: Worker, config: AppOptions):
     """The ASGI app. Every endpoint checks the key first and answers errors as JSON."""
-    from contextlib import asynccontextmanager
-
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    api = Api(engine, config)
+    api = Api(worker, config)
 
     def guarded(handler):
         async def endpoint(request):

@@ -12,7 +12,7 @@ from typing import Any
 
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.errors import UsageError
-from cachegraft_cli.lm.sampling import GenerationConfig
+from cachegraft_cli.lm.sampling import GenerationOptions
 
 
 class RequestError(UsageError):
@@ -113,7 +113,8 @@ def json_kind(value: Any) -> str:
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def ask_options(base: AskOptions, body: dict, limits: Limits, aliases: dict[str, str] | None = None) -> AskOptions:
+def options_from_body(base: AskOptions, body: dict, limits: Limits,
+                      aliases: dict[str, str] | None = None) -> AskOptions:
     """`base` with the ask options `body` sets (under their own names or `aliases`), checked."""
     values: dict[str, Any] = {}
     for alias, name in {**{n: n for n in ASK_FIELDS}, **(aliases or {})}.items():
@@ -130,7 +131,7 @@ def ask_options(base: AskOptions, body: dict, limits: Limits, aliases: dict[str,
 
 
 def option_fields(options: AskOptions) -> dict[str, Any]:
-    """The request fields that carry `options` (what `ask_options` reads back)."""
+    """The request fields that carry `options` (what `options_from_body` reads back)."""
     g = options.generation
     return {"system": options.system, "k": options.k, "scheme": options.scheme, "order": options.order,
             "recompute": options.recompute, "blend": options.blend, "blend_layer": options.blend_layer,
@@ -138,7 +139,7 @@ def option_fields(options: AskOptions) -> dict[str, Any]:
 
 
 def check_limits(options: AskOptions, limits: Limits) -> None:
-    g: GenerationConfig = options.generation
+    g: GenerationOptions = options.generation
     if not 1 <= options.k <= limits.max_k:
         raise RequestError(f"k must be between 1 and {limits.max_k}, got {options.k}.",
                            "This server's limit is its --max-k.", param="k", code="k_out_of_range")
@@ -152,7 +153,8 @@ def check_limits(options: AskOptions, limits: Limits) -> None:
                            f"Any top_p up to {MIN_TOP_P:g} keeps only the likeliest token.", param="top_p")
 
 
-def check_question(question: Any, limits: Limits, param: str = "question") -> str:
+def parse_question(question: Any, limits: Limits, param: str = "question") -> str:
+    """A request's question (its `param` field) as text, or a 400 naming what is wrong with it."""
     if not isinstance(question, str):
         raise RequestError(f"'{param}' must be a string, not {json_kind(question)}.", param=param, code="invalid_type")
     if not question.strip():
@@ -171,9 +173,9 @@ def ask_request(body: Any, base: AskOptions, limits: Limits) -> Question:
     if "question" not in body:
         raise RequestError("The request has no 'question'.", 'Send {"question": "..."}.', param="question",
                            code="missing_question")
-    question = check_question(body["question"], limits)
+    question = parse_question(body["question"], limits)
     store = name_field(body, "store")
-    return Question(store, question, ask_options(base, body, limits))
+    return Question(store, question, options_from_body(base, body, limits))
 
 
 def retrieve_request(body: Any, base: AskOptions, limits: Limits) -> Question:
@@ -183,8 +185,8 @@ def retrieve_request(body: Any, base: AskOptions, limits: Limits) -> Question:
     if "question" not in body:
         raise RequestError("The request has no 'question'.", 'Send {"question": "..."}.', param="question",
                            code="missing_question")
-    question = check_question(body["question"], limits)
-    return Question(name_field(body, "store"), question, ask_options(base, {"k": body.get("k")}, limits))
+    question = parse_question(body["question"], limits)
+    return Question(name_field(body, "store"), question, options_from_body(base, {"k": body.get("k")}, limits))
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def chat_request(body: Any, base: AskOptions, limits: Limits) -> Chat:
         raise RequestError("Only n=1 is supported.", "Leave n out.", param="n")
     question = last_user_message(body.get("messages"), limits)
     aliases = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-    options = ask_options(base, body, limits, aliases)
+    options = options_from_body(base, body, limits, aliases)
     stream = field(body, "stream", (bool,), False)
     return Chat(model, Question(None, question, options), stream)
 
@@ -229,7 +231,7 @@ def last_user_message(messages: Any, limits: Limits) -> str:
         raise RequestError("No user message in 'messages': the last one is the question.",
                            'Add {"role": "user", "content": "your question"}.', param="messages",
                            code="missing_question")
-    return check_question(_text(users[-1].get("content")), limits, "messages")
+    return parse_question(_text(users[-1].get("content")), limits, "messages")
 
 
 def _text(content: Any) -> Any:

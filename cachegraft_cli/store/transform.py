@@ -284,7 +284,7 @@ def radii(cal: Calibration, layer: int, kv: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class FitSettings:
+class FitOptions:
     # keys' quantiser step in units of the layer's RMS spread; the values' likewise. The defaults
     # are the smallest measured rate at int4's fidelity or better (docs/results.md, "Store size")
     key_step: float = 0.25
@@ -300,7 +300,7 @@ class FitSettings:
     layer_steps: tuple | None = None
 
 
-def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "", roots: np.ndarray | None = None,
+def fit(caches: list[np.ndarray], settings: FitOptions, source: str = "", roots: np.ndarray | None = None,
         weighting: str | None = None) -> Calibration:
     """Fit on passages' float32 caches `(T, L, 2, H, D)` (their tokens at positions offset + 0, 1, ...).
     With `roots` `(L, 2, H, D, D)` (`lm.errorcost.error_roots`, named by `weighting`), the error is
@@ -350,7 +350,7 @@ def fit(caches: list[np.ndarray], settings: FitSettings, source: str = "", roots
     return Calibration(arrays, info)
 
 
-def fit_to_ratio(caches: list[np.ndarray], settings: FitSettings, ratio: float, source: str = "",
+def fit_to_ratio(caches: list[np.ndarray], settings: FitOptions, ratio: float, source: str = "",
                  tries: int = 7, roots: np.ndarray | None = None, weighting: str | None = None) -> Calibration:
     """`fit` with both steps scaled by one factor (their proportion kept), found by bisection in
     log space on up to 10,000 of the tokens, so that the calibration codes its own passages at
@@ -376,7 +376,7 @@ def fit_to_ratio(caches: list[np.ndarray], settings: FitSettings, ratio: float, 
 
 
 def _fit_layer(arrays: dict, layer: int, kv: int, x: np.ndarray, ctx: np.ndarray | None, step: float,
-               settings: FitSettings, root: np.ndarray | None = None) -> None:
+               settings: FitOptions, root: np.ndarray | None = None) -> None:
     name = "kv"[kv]
     x64 = x.astype(np.float64)
     residual = x64
@@ -420,7 +420,7 @@ def _token_bits(arrays: dict, symbols: np.ndarray) -> np.ndarray:
     return bits
 
 
-def _group_words(bits: np.ndarray, settings: FitSettings) -> int:
+def _group_words(bits: np.ndarray, settings: FitOptions) -> int:
     """uint32 words a code row holds: the headroom times the calibration's costliest group, by the
     models' ideal bits (ANS spends within a word or two of them)."""
     groups = np.add.reduceat(bits, np.arange(0, len(bits), settings.group))

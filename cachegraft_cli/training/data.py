@@ -20,7 +20,10 @@ EVAL_SET_PATTERNS = (r"squad_v1\.1_dev", r"dev-v1\.1", r"squad.*dev")
 
 
 @dataclass(frozen=True)
-class Passage:
+class TrainingPassage:
+    """A passage of the training data, keyed so a file's passages never collide with another's
+    (`corpus.Passage` is what `encode` reads: an id, metadata, where it came from)."""
+
     key: str  # unique across files: "<file stem>:<sha1 of title+text>"
     title: str
     text: str
@@ -28,7 +31,7 @@ class Passage:
 
 @dataclass(frozen=True)
 class QAPair:
-    passage: str  # Passage.key
+    passage: str  # TrainingPassage.key
     question: str
     answer: str
     id: str = ""
@@ -36,7 +39,7 @@ class QAPair:
 
 @dataclass
 class Dataset:
-    passages: dict[str, Passage]
+    passages: dict[str, TrainingPassage]
     questions: list[QAPair]
 
     def subset(self, keys: set[str]) -> "Dataset":
@@ -54,7 +57,7 @@ def check_not_eval_set(path: str, allow: bool) -> None:
 
 
 def read_files(paths: list[str], allow_eval_sets: bool = False) -> Dataset:
-    passages: dict[str, Passage] = {}
+    passages: dict[str, TrainingPassage] = {}
     questions: list[QAPair] = []
     for path in paths:
         check_not_eval_set(path, allow_eval_sets)
@@ -66,7 +69,7 @@ def read_files(paths: list[str], allow_eval_sets: bool = False) -> Dataset:
     return Dataset(passages, questions)
 
 
-def read_file(path: str) -> tuple[dict[str, Passage], list[QAPair]]:
+def read_file(path: str) -> tuple[dict[str, TrainingPassage], list[QAPair]]:
     file = Path(path)
     if not file.is_file():
         raise TrainingError(f"Training data file {path} does not exist.", "Check the path given to --data.")
@@ -81,11 +84,11 @@ def _key(file: Path, title: str, text: str) -> str:
     return f"{file.stem}:{hashlib.sha1((title + chr(0) + text).encode()).hexdigest()[:16]}"
 
 
-def _keyed(file: Path, rows: list[tuple[str, str]]) -> dict[str, Passage]:
-    return {_key(file, t, x.strip()): Passage(_key(file, t, x.strip()), t, x.strip()) for t, x in rows}
+def _keyed(file: Path, rows: list[tuple[str, str]]) -> dict[str, TrainingPassage]:
+    return {_key(file, t, x.strip()): TrainingPassage(_key(file, t, x.strip()), t, x.strip()) for t, x in rows}
 
 
-def _read_squad(file: Path) -> tuple[dict[str, Passage], list[QAPair]]:
+def _read_squad(file: Path) -> tuple[dict[str, TrainingPassage], list[QAPair]]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -98,7 +101,7 @@ def _read_squad(file: Path) -> tuple[dict[str, Passage], list[QAPair]]:
         for para in article.get("paragraphs", []):
             text = para["context"].strip()
             key = _key(file, title, text)
-            passages[key] = Passage(key, title, text)
+            passages[key] = TrainingPassage(key, title, text)
             for qa in para.get("qas", []):
                 answers = [a["text"].strip() for a in qa.get("answers", []) if a.get("text", "").strip()]
                 if answers:

@@ -258,7 +258,7 @@ def prepare(config, progress: bool):
     ids, train_keys, val_keys = setup.select_passages(config, template, dataset, val_dataset)
     questions = dataset.questions + (val_dataset.questions if val_dataset else [])
     texts = {**dataset.passages, **(val_dataset.passages if val_dataset else {})}
-    notes = setup.add_notes(config, sharer, template, texts, ids, train_keys + val_keys, progress)
+    notes = setup.extend_ids_with_notes(config, sharer, template, texts, ids, train_keys + val_keys, progress)
     train_items = setup.build_items(config, template, ids, train_keys, questions, texts)
     val_items = setup.cap_items(setup.build_items(config, template, ids, val_keys, questions, texts),
                                 config.max_val_items, config.seed)
@@ -278,5 +278,5 @@ def prepare(config, progress: bool):
     info = {"train_passages": len(train_keys), "val_passages": len(val_keys), "train_items": len(train_items),
             "val_items": len(val_items), "held_out_passages": held_out, "input_scales": scales,
             **({"notes": notes} if notes else {})}
-    return setup.Prepared(receiver, template, sgeo, train_items, val_items, train_keys, val_keys, bank, prefix,
+    return setup.TrainingSetup(receiver, template, sgeo, train_items, val_items, train_keys, val_keys, bank, prefix,
                           seconds, info), fuser, planned

@@ -15,7 +15,9 @@ from cachegraft_cli.training.log import say
 
 
 @dataclass
-class Prepared:
+class TrainingSetup:
+    """What a training run has ready before its first step (the loaded receiver, the items, the cache bank)."""
+
     receiver: object
     template: object
     sharer_geometry: object
@@ -103,7 +105,7 @@ def select_passages(config, template, dataset, val_dataset):
     return ids, train, val
 
 
-def add_notes(config, sharer, template, passages, ids, keys, progress: bool) -> dict | None:
+def extend_ids_with_notes(config, sharer, template, passages, ids, keys, progress: bool) -> dict | None:
     """With --sharer-notes N: the sharer's notes on each passage in `keys`, and `ids[key]` re-made as
     passage + notes (what `encode --sharer-notes N` caches). Notes are kept in a file beside the
     cache bank (in OUT with --cache-dir none), so a resumed or repeated run, or the adapter run that

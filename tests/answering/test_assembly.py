@@ -11,7 +11,7 @@ from tiny import open_fuser
 from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions, Layout, in_prompt_order, visibility
 from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate, generate_batch, prompt_logits
+from cachegraft_cli.lm.generation import GenerationOptions, Prompt, generate, generate_batch, prompt_logits
 from cachegraft_cli.lm.template import PromptTemplate
 
 PASSAGES = [
@@ -57,7 +57,7 @@ def test_recompute_zero_is_the_plain_path_bit_for_bit(tiny_models):
         position += len(a)
     reference = Prompt.plain(kvcache.batched(kvcache.concat_tokens(parts)), question, position)
     assert torch.equal(prompt_logits(r, prompt), prompt_logits(r, reference))
-    assert generate(r, prompt, GenerationConfig(6)).token_ids == generate(r, reference, GenerationConfig(6)).token_ids
+    assert generate(r, prompt, GenerationOptions(6)).token_ids == generate(r, reference, GenerationOptions(6)).token_ids
 
 
 @pytest.mark.parametrize("options", [AssemblyOptions(recompute=10_000), AssemblyOptions(recompute=0, blend=1.0)],
@@ -100,7 +100,7 @@ def test_batched_recompute_equals_one_passage_at_a_time(tiny_models, fused):
     reference = _one_passage_at_a_time(r, asm, arrays, ids, question, n)
     assert (prompt_logits(r, batched) - prompt_logits(r, reference)).abs().max() <= 1e-4
     # decoding keeps the replaced stored copies hidden: same tokens as the rebuilt cache
-    config = GenerationConfig(8)
+    config = GenerationOptions(8)
     assert generate(r, batched, config).token_ids == generate(r, reference, config).token_ids
 
 
@@ -130,7 +130,7 @@ def test_batched_decode_with_recompute_equals_single(tiny_models):
         asm.prompt(arrays[1:], ids[1:], tpl.question_ids(questions[2]), AssemblyOptions(recompute=7)),
         Prompt.plain(None, tpl.prefix_ids() + tpl.question_ids(questions[0]), 0),
     ]
-    config = GenerationConfig(6)
+    config = GenerationOptions(6)
     singles = [generate(r, p, config).token_ids for p in prompts]
     assert [g.token_ids for g in generate_batch(r, prompts, config)] == singles
 

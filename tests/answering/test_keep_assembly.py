@@ -11,7 +11,7 @@ from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions, Layout
 from cachegraft_cli.fuser.fuser import Fuser
 from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate, prompt_logits
+from cachegraft_cli.lm.generation import GenerationOptions, Prompt, generate, prompt_logits
 from cachegraft_cli.lm.template import PromptTemplate
 
 PASSAGES = [
@@ -74,7 +74,7 @@ def test_pruned_past_is_the_full_past_without_the_dropped_tokens(tiny_models, sc
     assert prompt.positions == reference.positions
     # one attention over fewer slots vs the same attention with the others masked: equal up to summation order
     torch.testing.assert_close(prompt_logits(r, prompt), prompt_logits(r, reference), atol=1e-4, rtol=1e-4)
-    assert generate(r, prompt, GenerationConfig(4)).token_ids == generate(r, reference, GenerationConfig(4)).token_ids
+    assert generate(r, prompt, GenerationOptions(4)).token_ids == generate(r, reference, GenerationOptions(4)).token_ids
 
 
 def test_recompute_rereads_pruned_tokens_at_their_own_positions(tiny_models):
@@ -112,7 +112,7 @@ def test_ask_reads_pruned_and_unpruned_stores(tiny_dirs, tmp_path):
         for recompute in (0, 4):
             before = asker.store.stats_bytes_read
             result = asker.ask("who built the lighthouse", AskOptions("graft", 3, recompute=recompute,
-                                                                      generation=GenerationConfig(4)))
+                                                                      generation=GenerationOptions(4)))
             answers[keep, recompute] = asker.store.stats_bytes_read - before
             assert len(result["passages"]) == 3 and result["answer"] is not None
     assert answers[0.5, 0] < answers[1.0, 0]  # fewer tokens read (whole 16-token chunks, so not half)

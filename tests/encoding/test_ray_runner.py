@@ -95,10 +95,10 @@ def test_a_tc_store_on_ray_is_the_local_runners_with_the_drivers_calibration(ray
     """The driver reads the calibration once and the set-up task stores it: the Ray store holds the
     same calibration and the same bytes as the local runner's, and appends reuse it."""
     from cachegraft_cli.encoding.calibration import fit_from_store
-    from cachegraft_cli.store.transform import FitSettings
+    from cachegraft_cli.store.transform import FitOptions
 
     cal_file = tmp_path / "cal.safetensors"
-    cal_file.write_bytes(fit_from_store(local_store.loc.url, FitSettings())[0].to_bytes())
+    cal_file.write_bytes(fit_from_store(local_store.loc.url, FitOptions())[0].to_bytes())
     options = EncodeOptions(codec="tc", batch_size=8, commit_every=25, calibration=str(cal_file))
     local, ray_url = str(tmp_path / "local"), str(tmp_path / "ray")
     encode_corpus(_passages(50), local, ModelSession(choice), options)
@@ -181,13 +181,13 @@ def s3_store(s3_bucket):
 def _ask(url: str, questions: list[str]) -> list[tuple[str, int]]:
     """(answer, array bytes read from the store) per question."""
     from cachegraft_cli.answering.ask import Asker, AskOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
 
     asker = Asker(url)
     out = []
     for q in questions:
         before = asker.store.stats_bytes_read
-        result = asker.ask(q, AskOptions("graft", 3, generation=GenerationConfig(max_new_tokens=6)))
+        result = asker.ask(q, AskOptions("graft", 3, generation=GenerationOptions(max_new_tokens=6)))
         out.append((result["answer"], asker.store.stats_bytes_read - before))
     return out
 

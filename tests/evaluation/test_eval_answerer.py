@@ -95,7 +95,7 @@ def test_evaluate_answer_batch_gives_the_one_at_a_time_answers(qa_file, tiny_dir
     """`--answer-batch 3` decodes questions together (Asker.ask_many): in float32 every
     answer and score equals the one-at-a-time run, and its config records the batch."""
     from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
-    from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+    from cachegraft_cli.evaluation.protocol import RunConfig, run_evaluation
 
     fuser = _fuser_dir(tiny_models, tmp_path / "fuser")
 

@@ -109,7 +109,7 @@ class _EchoAnswerer:
 def test_run_with_lm_judge_and_pairwise(tiny_lm, tmp_path):
     import json
 
-    from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
+    from cachegraft_cli.evaluation.protocol import RunConfig, run_evaluation
 
     rows = [{"id": f"q{i}", "question": f"What year is number {i}?", "answers": [str(1820 + i)],
              "context": f"Year {1820 + i}.", "title": "Years"} for i in range(4)]

@@ -6,8 +6,8 @@ import pytest
 
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.evaluation.judges import Verdict
+from cachegraft_cli.evaluation.protocol import RunConfig, run_evaluation
 from cachegraft_cli.evaluation.records import ANSWER_KEY, RecordFile
-from cachegraft_cli.evaluation.run import RunConfig, run_evaluation
 
 N = 30
 

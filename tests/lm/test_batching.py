@@ -11,7 +11,7 @@ from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions
 from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.batching import Row, RunningBatch
-from cachegraft_cli.lm.generation import GenerationConfig, Prompt, generate
+from cachegraft_cli.lm.generation import GenerationOptions, Prompt, generate
 from cachegraft_cli.lm.template import PromptTemplate
 
 PASSAGES = [
@@ -54,7 +54,7 @@ def _run(batch: RunningBatch, arrivals: dict[int, list[Row]]) -> list[Row]:
 def test_a_lone_row_is_generate_bit_for_bit(prompts):
     r, ps = prompts
     for prompt in ps[:2]:
-        config = GenerationConfig(10)
+        config = GenerationOptions(10)
         heard: list[str] = []
         row = Row(prompt, config, heard.append)
         ended = _run(RunningBatch(r), {0: [row]})
@@ -66,10 +66,10 @@ def test_a_lone_row_is_generate_bit_for_bit(prompts):
 def test_rows_joining_at_other_steps_get_their_own_answers(prompts, greedy_margins):
     r, ps = prompts
     limits = [12, 9, 5, 12]
-    rows = [Row(p, GenerationConfig(n)) for p, n in zip(ps, limits)]
+    rows = [Row(p, GenerationOptions(n)) for p, n in zip(ps, limits)]
     batch = RunningBatch(r)
     ended = _run(batch, {0: [rows[0]], 2: [rows[1], rows[2]], 3: [rows[3]]})
-    alone = [generate(r, p, GenerationConfig(n)).token_ids for p, n in zip(ps, limits)]
+    alone = [generate(r, p, GenerationOptions(n)).token_ids for p, n in zip(ps, limits)]
     assert min(greedy_margins) >= MIN_GREEDY_MARGIN  # together vs alone: equal up to rounding only
     assert [row.out for row in rows] == alone
     assert sorted(map(id, ended)) == sorted(map(id, rows)) and len(batch) == 0 and batch.block is None
@@ -78,8 +78,8 @@ def test_rows_joining_at_other_steps_get_their_own_answers(prompts, greedy_margi
 def test_a_cancelled_row_leaves_and_the_others_go_on(prompts, greedy_margins):
     r, ps = prompts
     stop = {"now": False}
-    leaving = Row(ps[1], GenerationConfig(12), cancelled=lambda: stop["now"])
-    staying = Row(ps[0], GenerationConfig(12))
+    leaving = Row(ps[1], GenerationOptions(12), cancelled=lambda: stop["now"])
+    staying = Row(ps[0], GenerationOptions(12))
     batch = RunningBatch(r)
     batch.admit([leaving, staying])
     batch.step()
@@ -88,12 +88,12 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(prompts, greedy_margins):
     while len(batch):
         batch.step()
     assert min(greedy_margins) >= MIN_GREEDY_MARGIN
-    assert staying.out == generate(r, ps[0], GenerationConfig(12)).token_ids
+    assert staying.out == generate(r, ps[0], GenerationOptions(12)).token_ids
 
 
 def test_leaving_rows_cut_the_columns_only_pads_held(prompts):
     r, ps = prompts
-    long, short = Row(ps[0], GenerationConfig(2)), Row(ps[2], GenerationConfig(8))
+    long, short = Row(ps[0], GenerationOptions(2)), Row(ps[2], GenerationOptions(8))
     batch = RunningBatch(r)
     batch.admit([short])
     batch.admit([long])  # the short past is left-padded to the long one's width
@@ -107,6 +107,6 @@ def test_leaving_rows_cut_the_columns_only_pads_held(prompts):
 
 def test_a_zero_token_limit_ends_at_admission(prompts):
     r, ps = prompts
-    row = Row(ps[0], GenerationConfig(0))
+    row = Row(ps[0], GenerationOptions(0))
     assert RunningBatch(r).admit([row]) == [row] and row.out == []
     assert torch.isfinite(torch.tensor(row.timings["prefill"]))

@@ -138,7 +138,7 @@ HOSTILE = [
     ("store-ask-blend-layer", lambda c: cg.open_store(c["store"]).ask(QUESTION, blend=1.0, blend_layer=99),
      UsageError),
     ("store-ask-bad-generation", lambda c: cg.open_store(c["store"]).ask(
-        QUESTION, options=cg.AskOptions(generation=cg.GenerationConfig(top_p=-1.0))), UsageError),
+        QUESTION, options=cg.AskOptions(generation=cg.GenerationOptions(top_p=-1.0))), UsageError),
     ("store-ask-on-text-str", lambda c: cg.open_store(c["store"]).ask(QUESTION, on_text="print"), UsageError),
     # Store.encode (an append: the store must be left as it was)
     ("store-encode-nan", lambda c: cg.open_store(c["store"]).encode(_meta(score=NAN)), CorpusError),
@@ -281,7 +281,7 @@ def test_nucleus_sampling_is_unchanged_for_usable_top_p():
     import torch
 
     from cachegraft_cli.lm.generation import pick_token
-    from cachegraft_cli.lm.sampling import GenerationConfig
+    from cachegraft_cli.lm.sampling import GenerationOptions
 
     def reference(logits, config, rng):  # the nucleus as it was before the fix
         probs = torch.softmax(logits / config.temperature, dim=-1)
@@ -292,11 +292,11 @@ def test_nucleus_sampling_is_unchanged_for_usable_top_p():
 
     logits = torch.randn(320, generator=torch.Generator().manual_seed(0)) * 4
     for top_p in (0.05, 0.5, 0.9, 0.999, 1e-30):
-        config = GenerationConfig(temperature=0.8, top_p=top_p)
+        config = GenerationOptions(temperature=0.8, top_p=top_p)
         ours = [pick_token(logits, config, torch.Generator().manual_seed(s)) for s in range(20)]
         theirs = [reference(logits, config, torch.Generator().manual_seed(s)) for s in range(20)]
         assert ours == theirs, top_p
-    tiny = GenerationConfig(temperature=0.8, top_p=1e-300)
+    tiny = GenerationOptions(temperature=0.8, top_p=1e-300)
     assert pick_token(logits, tiny, torch.Generator().manual_seed(0)) == int(torch.argmax(logits))
 
 

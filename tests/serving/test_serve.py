@@ -97,12 +97,12 @@ def test_questions_waiting_together_are_decoded_as_one_batch(store):
             httpx.post(f"{server.url}/v1/ask", json={"question": q}, timeout=120))) for q in QUESTIONS]
         for t in threads:
             t.start()
-        wait_until(lambda: server.engine.load()["waiting"] == 3)
-        server.engine.start()
+        wait_until(lambda: server.worker.load()["waiting"] == 3)
+        server.worker.start()
         for t in threads:
             t.join()
         assert [r.status_code for r in results] == [200, 200, 200]
-        assert server.engine.load()["batches"] == {"3": 1}
+        assert server.worker.load()["batches"] == {"3": 1}
         assert all(set(r.json()["timings"]) == {"retrieve", "load", "prefill", "first_token", "total"} for r in results)
 
 
@@ -113,11 +113,11 @@ def test_a_full_queue_answers_429_with_retry_after_and_recovers(store):
             httpx.post(f"{server.url}/v1/ask", json={"question": QUESTIONS[0]}, timeout=120))) for _ in range(2)]
         for t in threads:
             t.start()
-        wait_until(lambda: server.engine.load()["admitted"] == 2)
+        wait_until(lambda: server.worker.load()["admitted"] == 2)
         refused = httpx.post(f"{server.url}/v1/ask", json={"question": QUESTIONS[0]})
         assert refused.status_code == 429 and refused.headers["retry-after"].isdigit()
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        server.engine.start()
+        server.worker.start()
         for t in threads:
             t.join()
         assert [r.status_code for r in held] == [200, 200]
@@ -132,9 +132,9 @@ def test_a_client_leaving_mid_stream_frees_its_slot(store):
             lines = response.iter_lines()  # kept: a dropped iterator closes the response
             first = next(lines)
             assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
-            assert server.engine.load()["admitted"] == 1
-        wait_until(lambda: server.engine.load()["admitted"] == 0)
-        server.engine.start()
+            assert server.worker.load()["admitted"] == 1
+        wait_until(lambda: server.worker.load()["admitted"] == 0)
+        server.worker.start()
         assert httpx.post(f"{server.url}/v1/ask", json={"question": QUESTIONS[0]}).status_code == 200
 
 
@@ -188,18 +188,18 @@ def test_a_question_joins_the_running_batch_without_waiting_for_the_others_answe
     """Continuous batching: a question that arrives while another decodes is answered while that
     one is still decoding (it waited for a decode step, not for the other's whole answer)."""
     from cachegraft_cli.answering.options import AskOptions
-    from cachegraft_cli.lm.sampling import GenerationConfig
-    from cachegraft_cli.serving.engine import Job
+    from cachegraft_cli.lm.sampling import GenerationOptions
+    from cachegraft_cli.serving.worker import Job, JobKind
 
     with LiveServer({"docs": store}) as server:
-        engine, pieces = server.engine, []
-        long = Job("ask", "docs", QUESTIONS[0], AskOptions(k=2, generation=GenerationConfig(200)),
+        worker, pieces = server.worker, []
+        long = Job(JobKind.ASK, "docs", QUESTIONS[0], AskOptions(k=2, generation=GenerationOptions(200)),
                    on_text=pieces.append)
-        engine.submit(long)
+        worker.submit(long)
         wait_until(lambda: len(pieces) >= 2)
-        short = engine.submit(Job("ask", "docs", QUESTIONS[1], AskOptions(k=2, generation=GenerationConfig(3))))
+        short = worker.submit(Job(JobKind.ASK, "docs", QUESTIONS[1], AskOptions(k=2, generation=GenerationOptions(3))))
         answer = short.future.result(timeout=120)
-        assert not long.future.done() and engine.load()["decoding"] == 1
-        engine.cancel(long)
+        assert not long.future.done() and worker.load()["decoding"] == 1
+        worker.cancel(long)
         assert 2 <= long.future.result(timeout=120)["tokens"]["generated"] < 200
-        assert answer["tokens"]["generated"] <= 3 and engine.load() == {**engine.load(), "admitted": 0, "decoding": 0}
+        assert answer["tokens"]["generated"] <= 3 and worker.load() == {**worker.load(), "admitted": 0, "decoding": 0}

@@ -158,7 +158,7 @@ def store(tiny_dirs, tmp_path_factory):
 
 
 def test_fuzzed_requests_never_get_a_5xx_and_the_server_stays_up(store):
-    from cachegraft_cli.serving.run import Timeouts
+    from cachegraft_cli.serving.server import Timeouts
 
     rng = random.Random(SEED)
     seen: Counter[int] = Counter()
@@ -176,7 +176,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_stays_up(store):
         answer = httpx.post(f"{server.url}/v1/ask", json={"question": QUESTIONS[0]},
                             headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert answer.status_code == 200 and answer.json()["answer"] is not None
-        assert server.engine.load()["admitted"] == 0
+        assert server.worker.load()["admitted"] == 0
     TALLY["serve fuzz: requests sent"] = COUNT
     TALLY["serve fuzz: statuses seen"] = " ".join(f"{code}x{n}" for code, n in sorted(seen.items()))
     TALLY["serve fuzz: 5xx answers"] = len(bad)

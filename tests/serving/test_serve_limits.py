@@ -37,7 +37,7 @@ def store(tiny_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(store):
-    from cachegraft_cli.serving.run import Timeouts
+    from cachegraft_cli.serving.server import Timeouts
 
     with LiveServer({"docs": store}, timeouts=Timeouts(headers=0.5, body=0.5, shutdown=2)) as server:
         yield server
@@ -91,7 +91,7 @@ def test_a_body_stalled_midway_gets_a_408(live):
     # a body the app never reads (an unknown endpoint answers without it) is dropped after the timeout too
     raw = raw_request(live.port, post("/v1/nothing", b"{", length=100), limit=8)
     assert parse_reply(raw)[0] == 404
-    assert live.engine.load()["admitted"] == 0
+    assert live.worker.load()["admitted"] == 0
 
 
 def test_sigterm_with_a_stalled_client_exits_within_the_shutdown_bound(store):
@@ -127,7 +127,7 @@ def test_sigterm_with_a_stalled_client_exits_within_the_shutdown_bound(store):
 
 
 def test_a_stream_still_running_at_the_shutdown_bound_ends_with_an_error_event(store):
-    from cachegraft_cli.serving.run import Timeouts
+    from cachegraft_cli.serving.server import Timeouts
 
     server = LiveServer({"docs": store}, start_worker=False, timeouts=Timeouts(shutdown=1))
     try:
@@ -140,7 +140,7 @@ def test_a_stream_still_running_at_the_shutdown_bound_ends_with_an_error_event(s
         server.thread.join(timeout=15)
         assert not server.thread.is_alive()
         assert [json.loads(line.removeprefix("data: "))["error"]["code"] for line in rest] == ["shutting_down"]
-        assert server.engine.load()["admitted"] == 0
+        assert server.worker.load()["admitted"] == 0
     finally:
         server.stop()
 
@@ -154,11 +154,11 @@ def test_a_non_streamed_client_that_hangs_up_frees_its_slot_at_once(store):
                            (CHAT, {"messages": [{"role": "user", "content": QUESTIONS[0]}]})):
             sock = socket.create_connection(("127.0.0.1", server.port))
             sock.sendall(post(path, json.dumps(body).encode()))
-            wait_until(lambda: server.engine.load()["admitted"] == 1, limit=10)
+            wait_until(lambda: server.worker.load()["admitted"] == 1, limit=10)
             sock.close()
-            wait_until(lambda: server.engine.load() == {**server.engine.load(), "admitted": 0, "waiting": 0},
+            wait_until(lambda: server.worker.load() == {**server.worker.load(), "admitted": 0, "waiting": 0},
                        limit=5)
-        server.engine.start()
+        server.worker.start()
         assert httpx.post(f"{server.url}/v1/ask", json={"question": QUESTIONS[0]}, timeout=60).status_code == 200
 
 
@@ -167,8 +167,8 @@ def test_a_non_streamed_client_that_hangs_up_frees_its_slot_at_once(store):
 
 def test_every_error_maps_to_its_status():
     from cachegraft_cli import errors
-    from cachegraft_cli.serving.engine import Busy
     from cachegraft_cli.serving.http import error_status
+    from cachegraft_cli.serving.worker import Busy
 
     expected = {
         errors.StoreCorruptError("x"): (500, "store_damaged"),
@@ -213,7 +213,7 @@ def test_a_damaged_store_is_a_permanent_500_not_503(tiny_dirs, tmp_path):
 def test_a_padded_api_key_is_stripped_and_an_empty_one_refused(store, capsys, monkeypatch):
     from cli_support import run_cli
 
-    import cachegraft_cli.serving.run as run
+    import cachegraft_cli.serving.server as run
 
     seen = []
     monkeypatch.setattr(run, "serve", lambda config, log, ready: seen.append(config.api_key) or True)

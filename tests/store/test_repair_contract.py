@@ -336,11 +336,11 @@ def test_ask_between_compactions_answers_every_question(store, pristine):
     """An `Asker` (what `ask --questions` holds for a whole run) keeps answering across compactions."""
     from cachegraft_cli.answering.ask import Asker
     from cachegraft_cli.answering.options import AskOptions
-    from cachegraft_cli.lm.generation import GenerationConfig
+    from cachegraft_cli.lm.generation import GenerationOptions
     from cachegraft_cli.store.compact import CompactOptions, compact
 
     asker = Asker(str(store))
-    options = AskOptions(k=1, generation=GenerationConfig(max_new_tokens=2))
+    options = AskOptions(k=1, generation=GenerationOptions(max_new_tokens=2))
     for i, word in enumerate(WORDS[:3]):
         if i == 1:  # every segment the asker's snapshot lists is merged, then deleted at once
             assert len(compact(str(store), CompactOptions(grace_seconds=0))["retired_deleted"]) == 4

@@ -180,7 +180,7 @@ def test_a_weighted_fit_spends_its_error_where_it_costs_less():
     its weighted error is below an unweighted fit's."""
     forms = roots()
     x = [structured_cache(np.random.default_rng(s), 50) for s in (100, 101)]
-    settings = tf.FitSettings(rope_theta=10000.0, position_offset=4)
+    settings = tf.FitOptions(rope_theta=10000.0, position_offset=4)
     caches = [structured_cache(np.random.default_rng(s), 50) for s in range(12)]
     plain = tf.fit_to_ratio(caches, settings, 0.1, source="tests")
     weighted = tf.fit_to_ratio(caches, settings, 0.1, source="tests", roots=forms, weighting="tests")
@@ -401,7 +401,7 @@ def test_a_new_store_takes_a_calibration_for_its_own_geometry_only(tmp_path):
 def test_a_ratio_target_scales_both_steps_to_meet_it_on_the_calibration_passages():
     rng = np.random.default_rng(4)
     caches = [structured_cache(rng, 50) for _ in range(12)]
-    settings = tf.FitSettings(rope_theta=10000.0, position_offset=4)
+    settings = tf.FitOptions(rope_theta=10000.0, position_offset=4)
     base = tf.fit(caches, settings)
     for ratio in (0.05, 0.2):
         cal = tf.fit_to_ratio(caches, settings, ratio)

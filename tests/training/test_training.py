@@ -396,7 +396,7 @@ def test_sharer_notes_follow_each_passage_as_encode_stores_them(tiny_dirs, tiny_
     from cachegraft_cli.lm.template import DEFAULT_INSTRUCTION
     from cachegraft_cli.store.rows import with_notes
     from cachegraft_cli.training.data import read_files
-    from cachegraft_cli.training.setup import add_notes, select_passages
+    from cachegraft_cli.training.setup import extend_ids_with_notes, select_passages
 
     summary = run(_config(tiny_dirs, squad_file, tmp_path / "n", sharer_notes=5, max_steps=2), progress=False)
     info = summary["data"]["notes"]
@@ -413,7 +413,8 @@ def test_sharer_notes_follow_each_passage_as_encode_stores_them(tiny_dirs, tiny_
     fresh = write_notes(s, DEFAULT_INSTRUCTION, [(ds.passages[k].title, ds.passages[k].text) for k in keys], 5)
     assert fresh == [saved["notes"][k] for k in keys]  # greedy: the same notes every time
     plain = {k: list(v) for k, v in ids.items()}
-    again = add_notes(cfg, None, tpl, ds.passages, ids, keys, progress=False)  # no sharer: the saved notes serve
+    # no sharer: the saved notes serve
+    again = extend_ids_with_notes(cfg, None, tpl, ds.passages, ids, keys, progress=False)
     assert again is not None and again["written"] == 0
     for k in keys:
         passage = ds.passages[k]

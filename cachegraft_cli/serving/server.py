@@ -19,8 +19,8 @@ from typing import Callable
 
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.errors import UsageError
-from cachegraft_cli.serving.engine import EngineSettings
 from cachegraft_cli.serving.requests import Limits, check_limits
+from cachegraft_cli.serving.worker import WorkerOptions
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_HEAD_BYTES = 16 * 1024  # a request line plus headers (h11's default, stated): over it, a 400 and close
@@ -37,14 +37,14 @@ class Timeouts:
 
 
 @dataclass
-class ServeConfig:
+class ServeOptions:
     stores: dict[str, str]  # name -> path or URL, in the order given (the first is the default)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     defaults: AskOptions = field(default_factory=AskOptions)
     limits: Limits = field(default_factory=Limits)
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    worker: WorkerOptions = field(default_factory=WorkerOptions)
     timeouts: Timeouts = field(default_factory=Timeouts)
     sharer: str | None = None
     device: str | None = None
@@ -72,7 +72,7 @@ def parse_stores(specs: list[str]) -> dict[str, str]:
     return stores
 
 
-def check(config: ServeConfig):
+def check(config: ServeOptions):
     """Everything that fails without a model: the stores, options, limits, the model overrides.
     Returns the model overrides."""
     from cachegraft_cli.session import ModelChoice
@@ -82,7 +82,7 @@ def check(config: ServeConfig):
         CacheStore.check_exists(url)
     config.defaults.check()
     check_limits(config.defaults, config.limits)
-    e, t = config.engine, config.timeouts
+    e, t = config.worker, config.timeouts
     if e.max_queue < 1 or e.max_batch < 1 or e.watch_seconds < 0:
         raise UsageError("--max-queue and --max-batch must be at least 1, --watch at least 0.", "")
     if not (t.headers > 0 and t.body > 0 and t.shutdown >= 0):
@@ -130,7 +130,7 @@ def require_stack() -> None:
                          "Install it: pip install 'cachegraft[serve]'") from None
 
 
-def serve(config: ServeConfig, log: Callable[[str], None], ready: Callable[[dict], None]) -> bool:
+def serve(config: ServeOptions, log: Callable[[str], None], ready: Callable[[dict], None]) -> bool:
     """Serve until SIGTERM/SIGINT; then stop accepting, finish the requests in flight (cutting
     off any still running `config.timeouts.shutdown` seconds later), return. True if none was
     cut off."""
@@ -139,27 +139,27 @@ def serve(config: ServeConfig, log: Callable[[str], None], ready: Callable[[dict
     config = replace(config, api_key=check_api_key(config.api_key))
     sock = bind(config.host, config.port)
     try:
-        engine = _open_engine(config, overrides, log)
-        return _run(config, engine, sock, lambda: ready(describe(config, engine, sock)))
+        worker = _open_worker(config, overrides, log)
+        return _run(config, worker, sock, lambda: ready(describe(config, worker, sock)))
     finally:
         sock.close()
 
 
-def _open_engine(config: ServeConfig, overrides, log):
-    from cachegraft_cli.serving.engine import Engine
+def _open_worker(config: ServeOptions, overrides, log):
+    from cachegraft_cli.serving.worker import Worker
 
-    engine = Engine(config.stores, overrides, config.index_kind, config.engine, log)
-    engine.open(config.defaults.system)
-    return engine
+    worker = Worker(config.stores, overrides, config.index_kind, config.worker, log)
+    worker.open(config.defaults.system)
+    return worker
 
 
-def _run(config: ServeConfig, engine, sock: socket.socket, on_ready: Callable[[], None]) -> bool:
-    from cachegraft_cli.serving.http import AppConfig, build_app
+def _run(config: ServeOptions, worker, sock: socket.socket, on_ready: Callable[[], None]) -> bool:
+    from cachegraft_cli.serving.http import AppOptions, build_app
 
-    app = build_app(engine, AppConfig(config.defaults, config.limits, config.api_key, on_ready,
+    app = build_app(worker, AppOptions(config.defaults, config.limits, config.api_key, on_ready,
                                       config.timeouts.body))
     server = uvicorn_server(app, config.timeouts)
-    engine.start()
+    worker.start()
     # uvicorn re-raises the signal it caught once it has drained; these handlers take it, so a
     # drained server returns (exit 0) instead of dying of the signal.
     previous = {s: signal.signal(s, _drained) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -167,7 +167,7 @@ def _run(config: ServeConfig, engine, sock: socket.socket, on_ready: Callable[[]
         server.run(sockets=[sock])
     finally:
         # what uvicorn cut off has cancelled its jobs; the bound is for a decode step that hangs
-        engine.close(timeout=config.timeouts.shutdown + 10)
+        worker.close(timeout=config.timeouts.shutdown + 10)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return not server.cut_off()
@@ -290,11 +290,11 @@ def h11_protocol(timeouts: Timeouts) -> type[asyncio.Protocol]:
     return DeadlineH11Protocol
 
 
-def describe(config: ServeConfig, engine, sock: socket.socket) -> dict:
+def describe(config: ServeOptions, worker, sock: socket.socket) -> dict:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     stores = {}
-    for name, asker in engine.askers.items():
+    for name, asker in worker.askers.items():
         choice = asker.session.choice
         stores[name] = {"path": config.stores[name], "passages": len(asker.store), "indexed": len(asker.index),
                         "receiver": choice.receiver, "sharer": choice.sharer,

@@ -13,17 +13,27 @@ it: a question is retrieved and loaded from one store state and one index state.
 
 from __future__ import annotations
 
+import enum
 import sys
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cachegraft_cli.answering.options import AskOptions
 from cachegraft_cli.errors import CacheGraftError
 from cachegraft_cli.serving.requests import RequestError
+
+if TYPE_CHECKING:  # torch and the models load only when the worker opens its stores
+    from cachegraft_cli.answering.ask import Asker, Prepared
+    from cachegraft_cli.lm.batching import RunningBatch
+    from cachegraft_cli.lm.generation import Row
+
+# What changes when an append commits or an index version is published (`store_state`):
+# the manifest's segment names, and the index's current version (None: no index yet).
+StoreState = tuple[tuple[str, ...], Any]
 
 
 class Busy(RequestError):
@@ -37,48 +47,67 @@ class Busy(RequestError):
         return (type(self), (self.message, self.hint, self.status, self.retry_after))
 
 
+class JobKind(enum.Enum):
+    """What a job asks of the worker. Only ASK joins a decode batch; the others run between
+    decode steps."""
+
+    ASK = "ask"
+    RETRIEVE = "retrieve"
+    RELOAD = "reload"
+
+
 @dataclass(eq=False)
 class Job:
     """One question (or retrieval, or reload) waiting for the worker. `on_text` is called on the
     worker thread with each new piece of the answer; `cancel()` (the client went away) drops it
-    from the queue, or stops its decode after the current token."""
+    from the queue, or stops its decode after the current token. `future` ends with the JSON
+    object the endpoint returns (`ask --json`'s result, a retrieval, a reload report)."""
 
-    kind: str  # "ask", "retrieve" or "reload"
+    kind: JobKind
     store: str
     question: str = ""
     options: AskOptions = field(default_factory=AskOptions)
     on_text: Callable[[str], None] | None = None
-    future: Future = field(default_factory=Future)
+    future: Future[dict[str, Any]] = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: bool = False
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class Decoding:
+    """What rides with a question's row in a running batch (`Row.tag`): its job, and what its
+    asker prepared (the model it decodes on, and what its result is made from)."""
+
+    job: Job
+    prepared: Prepared
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
     max_queue: int = 64  # questions waiting or being answered; one more gets 429
     max_batch: int = 8  # questions decoded together
     gather_seconds: float = 0.005  # how long the worker waits for companions once it has a question
     watch_seconds: float = 2.0  # how often the stores are checked for changes (0: only on /v1/reload)
 
 
-class Engine:
-    """The stores (by name), their loaded models, the queue and the worker thread."""
+class Worker:
+    """The stores (by name), their loaded models, the queue and the one thread that runs every model call."""
 
     def __init__(self, stores: dict[str, str], overrides=None, index_kind: str | None = None,
-                 settings: EngineSettings | None = None, log: Callable[[str], None] | None = None):
+                 options: WorkerOptions | None = None, log: Callable[[str], None] | None = None):
         self.urls = dict(stores)
         self.overrides, self.index_kind = overrides, index_kind
-        self.settings = settings or EngineSettings()
+        self.options = options or WorkerOptions()
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
-        self.askers: dict[str, Any] = {}
-        self.states: dict[str, tuple] = {}
+        self.askers: dict[str, Asker] = {}
+        self.states: dict[str, StoreState] = {}
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._admitted = 0
         self._closing = False
         self._checked = time.monotonic()
         self._thread: threading.Thread | None = None
-        self._running: dict[int, Any] = {}  # one RunningBatch per loaded model (by id)
+        self._running: dict[int, RunningBatch] = {}  # one per loaded model (by id)
         self.batches: Counter[int] = Counter()  # how many questions started together, by count (GET /health)
 
     # -- set-up (before the server accepts anything) -------------------------------------------------
@@ -92,7 +121,7 @@ class Engine:
         for asker in self.askers.values():
             asker.warm(system)
 
-    def _asker(self, url: str):
+    def _asker(self, url: str) -> Asker:
         """An Asker of the store as it is now, sharing loaded models with any other that uses the same ones."""
         from cachegraft_cli.answering.ask import Asker
 
@@ -117,9 +146,9 @@ class Engine:
         with self._cond:
             if self._closing:
                 raise Busy("The server is shutting down.", "Retry against a running server.", status=503)
-            if self._admitted >= self.settings.max_queue:
+            if self._admitted >= self.options.max_queue:
                 raise Busy(f"The server is busy: {self._admitted} questions are waiting or being answered "
-                           f"(its --max-queue is {self.settings.max_queue}).", "Retry after the Retry-After seconds.")
+                           f"(its --max-queue is {self.options.max_queue}).", "Retry after the Retry-After seconds.")
             self._admitted += 1
             self._queue.append(job)
             self._cond.notify_all()
@@ -136,7 +165,7 @@ class Engine:
 
     def load(self) -> dict:
         with self._cond:
-            return {"waiting": len(self._queue), "admitted": self._admitted, "limit": self.settings.max_queue,
+            return {"waiting": len(self._queue), "admitted": self._admitted, "limit": self.options.max_queue,
                     "decoding": self._decoding(),
                     "batches": {str(size): n for size, n in sorted(self.batches.items())}}
 
@@ -157,7 +186,7 @@ class Engine:
         """Cancel every job queued or decoding (as if each client had gone)."""
         with self._cond:
             queued = list(self._queue)
-        decoding = [row.tag[0] for batch in list(self._running.values()) for row in list(batch.rows)]
+        decoding = [row.tag.job for batch in list(self._running.values()) for row in list(batch.rows)]
         for job in queued + decoding:
             self.cancel(job)
 
@@ -176,9 +205,9 @@ class Engine:
                 return
             self._watch()
             for job in jobs:
-                if job.kind != "ask":
+                if job.kind is not JobKind.ASK:
                     self._run_other(job)
-            self._start([j for j in jobs if j.kind == "ask"])
+            self._start([j for j in jobs if j.kind is JobKind.ASK])
             self._step()
 
     def _decoding(self) -> int:
@@ -190,22 +219,23 @@ class Engine:
         only when nothing is decoding: up to `gather_seconds` for companions of a first question,
         or a quiet interval (then [] : time to look at the stores). None once closing with
         nothing left."""
-        s = self.settings
+        s = self.options
         with self._cond:
             if not self._queue and not self._decoding():
                 if self._closing:
                     return None
                 self._cond.wait(timeout=s.watch_seconds or None)
                 return []
-            if not self._decoding() and self._queue[0].kind == "ask":
+            if not self._decoding() and self._queue[0].kind is JobKind.ASK:
                 deadline = time.monotonic() + s.gather_seconds  # companions arriving by then start together
                 while len(self._queue) < s.max_batch and time.monotonic() < deadline:
                     self._cond.wait(timeout=deadline - time.monotonic())
             room = s.max_batch - self._decoding()
             jobs = []
             for job in list(self._queue):
-                if job.kind != "ask" or room > 0:
-                    room -= job.kind == "ask"
+                asks = job.kind is JobKind.ASK
+                if not asks or room > 0:
+                    room -= asks
                     jobs.append(job)
                     self._queue.remove(job)
             return jobs
@@ -215,9 +245,12 @@ class Engine:
         if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
             self._release(job)
             return
-        self._settle(job, lambda: self.reload(force=True) if job.kind == "reload" else self._retrieve(job))
+        if job.kind is JobKind.RELOAD:
+            self._settle(job, lambda: self.reload(force=True))
+        else:
+            self._settle(job, lambda: self._retrieve(job))
 
-    def _settle(self, job: Job, compute) -> None:
+    def _settle(self, job: Job, compute: Callable[[], dict[str, Any]]) -> None:
         """Free the job's slot, then hand its result (or its error) to the waiting request: a client
         that has read its answer never finds its own slot still held."""
         try:
@@ -245,20 +278,20 @@ class Engine:
                 self._fail([job], exc)
                 continue
             row = Row(prepared.prompt, job.options.generation, job.on_text, job.cancelled.is_set,
-                      prepared.started, (job, prepared))
+                      prepared.started, Decoding(job, prepared))
             by_model.setdefault(id(prepared.lm), []).append(row)
         for rows in by_model.values():
-            lm = rows[0].tag[1].lm
+            lm = rows[0].tag.prepared.lm
             batch = self._batch_for(lm)
             self.batches[len(rows)] += 1
             try:
                 finished = batch.admit(rows)
             except Exception as exc:  # noqa: BLE001
-                self._fail([r.tag[0] for r in rows], exc)
+                self._fail([r.tag.job for r in rows], exc)
                 continue
             self._finish(finished, lm)
 
-    def _batch_for(self, lm):
+    def _batch_for(self, lm) -> RunningBatch:
         from cachegraft_cli.lm.batching import RunningBatch
 
         if id(lm) not in self._running:
@@ -273,15 +306,15 @@ class Engine:
             try:
                 finished = batch.step()
             except Exception as exc:  # noqa: BLE001 - the batch's questions fail, the server goes on
-                self._fail([r.tag[0] for r in batch.rows], exc)
+                self._fail([r.tag.job for r in batch.rows], exc)
                 del self._running[key]
                 continue
             self._finish(finished, batch.lm)
 
-    def _finish(self, rows, lm) -> None:
+    def _finish(self, rows: list[Row], lm) -> None:
         for row in rows:
-            job, prepared = row.tag
-            self._settle(job, lambda: prepared.result(row.generation(lm.tokenizer)))  # noqa: B023 - called at once
+            tag: Decoding = row.tag
+            self._settle(tag.job, lambda: tag.prepared.result(row.generation(lm.tokenizer)))  # noqa: B023 - called at once
 
     def _fail(self, jobs: list[Job], exc: BaseException) -> None:
         for job in jobs:
@@ -300,7 +333,7 @@ class Engine:
     # -- stores changing on disk -------------------------------------------------------------------
 
     def _watch(self) -> None:
-        every = self.settings.watch_seconds
+        every = self.options.watch_seconds
         if every and time.monotonic() - self._checked >= every:
             try:
                 self.reload()
@@ -322,7 +355,7 @@ class Engine:
             report[name] = {"passages": len(asker.store), "indexed": len(asker.index), "reloaded": changed}
         return {"stores": report}
 
-    def _swap(self, name: str, url: str, state: tuple) -> bool:
+    def _swap(self, name: str, url: str, state: StoreState) -> bool:
         from cachegraft_cli.answering.ask import Asker
 
         old = self.askers[name]
@@ -338,7 +371,7 @@ class Engine:
         return True
 
 
-def store_state(url: str) -> tuple:
+def store_state(url: str) -> StoreState:
     """What changes when an append commits or an index version is published: the manifest's
     segments and the index's current version (cheap: two small reads)."""
     from cachegraft_cli.retrieval.directory import current
