@@ -141,8 +141,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import cachegraft_cli as cg
     from tiny import build_all
+
+    import cachegraft_cli as cg
 
     package = Path(cg.__file__).resolve().parent
     with tempfile.TemporaryDirectory() as d:

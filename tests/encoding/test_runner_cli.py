@@ -1,3 +1,4 @@
+
 """`encode --runner`: bad runner options fail at once, before the corpus is read or anything loads."""
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ def test_a_ray_encode_is_refused_by_a_held_lock_before_ray_starts(tmp_path, monk
     from cachegraft_cli.errors import StoreLockedError
     from cachegraft_cli.session import ModelChoice
     from cachegraft_cli.store.lock import lock_store
+    from cachegraft_cli.store.target import Target
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a Ray runtime was started"))
     store = tmp_path / "s"
     with lock_store(str(store), {"tool": "another writer"}):
         with pytest.raises(StoreLockedError, match="is being written by"):
-            encode_on_ray([Passage("p1", "", "some text")], str(store), ModelChoice("org/model", None, "closed"),
+            encode_on_ray([Passage("p1", "", "some text")], Target.open(str(store)),
+                                   ModelChoice("org/model", None, "closed"),
                           EncodeOptions(), RayOptions())
     assert sorted(p.name for p in store.iterdir()) == ["writer.lock"]  # nothing created
 
