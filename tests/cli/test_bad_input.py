@@ -343,7 +343,7 @@ def long_store(tiny_dirs, tmp_path_factory):
     words = "harbor lighthouse fishermen founded town river bank treaty signed"
     passages = [{"id": f"p{i}", "title": f"Harbor {i}", "text": f"Harbor town passage {i}: {words} {words}."}
                 for i in range(40)]
-    cg.encode(passages, path, receiver=str(tiny_dirs["receiver"]), dtype="float32")
+    cg.encode(passages, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"))
     cg.index(path)
     return path
 

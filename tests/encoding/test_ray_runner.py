@@ -143,7 +143,7 @@ def _encode_cmd(corpus, store, choice, address):
     return [sys.executable, "-m", "cachegraft_cli", "encode", str(corpus), "--store", str(store),
             "--receiver", choice.receiver, "--sharer", choice.sharer, "--fuser", choice.fuser, "--device", "cpu",
             "--dtype", "float32", "--codec", OPTIONS.codec, "--batch-size", str(OPTIONS.batch_size),
-            "--commit-every", str(OPTIONS.commit_every), "--engine", "ray", "--address", address, "--actors", "2",
+            "--commit-every", str(OPTIONS.commit_every), "--runner", "ray", "--address", address, "--actors", "2",
             "--json"]
 
 
