@@ -255,9 +255,6 @@ class CorpusSource:
             checks.text(f"{name} (--{name.replace('_', '-')})", getattr(self, name))
         checks.flag("skip_bad (--skip-bad)", self.skip_bad)
 
-    def fields(self) -> dict[str, str]:
-        return {"id_field": self.id_field, "text_field": self.text_field, "title_field": self.title_field}
-
 
 def encode(
     corpus: Corpus,
@@ -288,10 +285,11 @@ def encode(
     _check_encode_arguments(corpus, models, options, source, callbacks={"progress": progress, "planned": planned})
     models, source = models or Models(), source or CorpusSource()
     ray_options = _runner(runner, models.device)  # checked before the corpus is read
+    fields_ = {"id_field": source.id_field, "text_field": source.text_field, "title_field": source.title_field}
     if isinstance(corpus, (str, Path)):
-        reader = read_corpus(corpus, skip_bad=source.skip_bad, format=source.format, **source.fields())
+        reader = read_corpus(corpus, skip_bad=source.skip_bad, format=source.format, **fields_)
     else:
-        reader = from_records(corpus, skip_bad=source.skip_bad, **source.fields())
+        reader = from_records(corpus, skip_bad=source.skip_bad, **fields_)
     check_corpus(reader)  # every record checked (a file is streamed, never held whole) before anything else
     summary = encode_into(str(store), reader, options or EncodeOptions(), preset=models.preset,
                           receiver=models.receiver, sharer=models.sharer, fuser=models.fuser, device=models.device,
