@@ -285,7 +285,8 @@ def encode(
     _check_encode_arguments(corpus, models, options, source, callbacks={"progress": progress, "planned": planned})
     models, source = models or Models(), source or CorpusSource()
     ray_options = _runner(runner, models.device)  # checked before the corpus is read
-    fields_ = {"id_field": source.id_field, "text_field": source.text_field, "title_field": source.title_field}
+    fields_: dict[str, Any] = {"id_field": source.id_field, "text_field": source.text_field,
+                               "title_field": source.title_field}
     if isinstance(corpus, (str, Path)):
         reader = read_corpus(corpus, skip_bad=source.skip_bad, format=source.format, **fields_)
     else:
