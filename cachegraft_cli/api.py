@@ -328,14 +328,15 @@ def _check_encode_arguments(corpus: Any, models: Any, options: Any, source: Any,
 def _runner(runner: Any, device: str | None) -> RayOptions | None:
     """None for the local runner; Ray's options (`"ray"`: the defaults), checked, with ray importable."""
     from cachegraft_cli.encoding import RUNNERS
+
+    if isinstance(runner, str) and runner == "local":
+        return None  # the Ray driver is not even imported
     from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
 
-    if not isinstance(runner, RayOptions):
-        if runner not in RUNNERS:
-            raise UsageError(f"unknown runner {runner!r}.", f"Use one of: {', '.join(RUNNERS)}, or a cg.RayOptions.")
-        if runner == "local":
-            return None
+    if isinstance(runner, str) and runner in RUNNERS:
         runner = RayOptions()
+    if not isinstance(runner, RayOptions):
+        raise UsageError(f"unknown runner {runner!r}.", f"Use one of: {', '.join(RUNNERS)}, or a cg.RayOptions.")
     check_devices(device, runner)
     require_ray()
     return runner
