@@ -5,13 +5,14 @@ check the corpus, split long passages, skip what the store holds (same id,
 same content hash), cut the rest into commit windows. Only a tokenizer loads
 here, so the driver can be a CPU-only head node. Then:
 
-1. the driver takes the store's writer lock for the whole job, before anything
-   loads or is written (a second writer is refused at once);
+1. the driver takes the store's writer lock for the whole job through
+   `Target.locked`, as the local runner does, before anything loads or is
+   written (a second writer is refused at once); under it an existing store is
+   recovered (`store.recover.recover`: segments of killed jobs deleted, a local
+   writer's committed ones adopted);
 2. a missing store is created by one Ray task where the models load (prefix
-   cache and identity exactly as `encode` makes them); an existing one is
-   recovered as every writer recovers it (`store.recover.recover`: segments of
-   killed jobs deleted, a local writer's committed ones adopted), and the plan
-   is made against the manifest as it is under the lock;
+   cache and identity exactly as `encode` makes them), and the plan is made
+   against the manifest as it is under the lock;
 3. the windows become a Ray dataset, one block per window, and `map_batches`
    runs `FuseWriter` on an actor pool: each actor loads the models once and
    writes each window as one complete, unlisted segment (`SegmentWriter`);
