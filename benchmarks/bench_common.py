@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachegraft_cli.config import pulled_models_dir as _pulled_models_dir
+from cachegraft_cli.store.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
 # The pulled offline pair (`cachegraft models pull offline`) unless $CACHEGRAFT_BENCH_MODELS names
@@ -142,13 +143,13 @@ def ensure_store(url: str, passages, session, codec: str = "bf16", batch_size: i
     t0 = time.perf_counter()
     options = EncodeOptions(codec=codec, batch_size=batch_size)
     try:
-        summary = encode_corpus(passages, url, session, options)
+        summary = encode_corpus(passages, Target.open(url), session, options)
     except StoreMismatchError as exc:  # made by other models/settings (e.g. an older CacheGraft): ours to rebuild
         if not Path(url).resolve().is_relative_to(WORK_DIR.resolve()):
             raise
         log(f"store {url} no longer matches ({exc}); rebuilding it")
         shutil.rmtree(url)
-        summary = encode_corpus(passages, url, session, options)
+        summary = encode_corpus(passages, Target.open(url), session, options)
     build_store_index(url, "bm25")
     log(f"store {url}: added {summary.added}, skipped {summary.skipped_existing}, {time.perf_counter() - t0:.1f}s")
     return summary.as_dict()

@@ -1,3 +1,4 @@
+
 """Encode throughput: the local runner vs the Ray runner with 1 and 2 actors, and what
 encoding 1 billion tokens with Qwen3-4B -> Qwen3-0.6B would take on N H200s.
 
@@ -96,6 +97,7 @@ def run_condition(args) -> dict:
     from cachegraft_cli.encoding.local import encode_corpus
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.store.target import Target
 
     name = args.condition
     torch.set_num_threads(1 if name != "local" else 2)
@@ -104,13 +106,15 @@ def run_condition(args) -> dict:
     items = passages(args)
     start = time.perf_counter()
     if name.startswith("local"):
-        summary = encode_corpus(items, args.store, ModelSession(choice), options)
+        summary = encode_corpus(items, Target.open(args.store), ModelSession(choice), options)
         actors = 1
     else:
         from cachegraft_cli.encoding.ray.driver import RayOptions, encode_on_ray
+        from cachegraft_cli.store.target import Target
 
         actors = int(name.split("-")[1])
-        summary = encode_on_ray(items, args.store, choice, options, RayOptions(actors=actors, commit_seconds=0))
+        summary = encode_on_ray(items, Target.open(args.store),
+                                choice, options, RayOptions(actors=actors, commit_seconds=0))
     total = time.perf_counter() - start
     return {"condition": name, "seconds": total, "tokens": summary.tokens, "passages": summary.added,
             "windows": window_marks(args.store), "actors": actors, "machine": bc.machine()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports the API on first use
     from cachegraft_cli.api import *  # noqa: F403

@@ -2,7 +2,7 @@
 
     import cachegraft_cli as cg
 
-    cg.encode("corpus.jsonl", "my-store", preset="offline")   # a new store, or an append
+    cg.encode("corpus.jsonl", "my-store", models=cg.Models(preset="offline"))  # new, or an append
     cg.index("my-store")
     store = cg.open_store("my-store")        # models load on first use and stay loaded
     answer = store.ask("When was Harrowmere founded?", k=3)
@@ -15,16 +15,13 @@ typed keyword arguments (`AskSettings`: `system`, `k`, `scheme`, `order`, `recom
 `blend`, `blend_layer` and the generation settings `max_new_tokens`, `temperature`,
 `top_p`, `seed`), or a whole `AskOptions` passed as `options=`. Errors are
 `CacheGraftError`s (`message`, `hint`, `exit_code`). Nothing here prints: pass
-`progress=` to `encode` for a progress callback.
-
-`encode_passages`, `index_store`, `answer` and `answer_many` are the earlier names of
-`encode`, `index`, `ask` and `ask_many`: they still work and warn (DeprecationWarning).
+`progress=` to `encode` for a progress callback. `encode` takes its settings as three
+objects: `models=Models(...)`, `options=EncodeOptions(...)`, `source=CorpusSource(...)`.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypedDict
 
@@ -42,11 +39,9 @@ if TYPE_CHECKING:
     from cachegraft_cli.encoding.ray.driver import RayOptions
 
 # The one list of the package's public names (`cachegraft_cli.__init__` re-exports exactly these).
-__all__ = ["Answer", "AskOptions", "AskSettings", "CacheGraftError", "EncodeOptions", "EncodeSummary",
-           "GenerationConfig", "Passage", "RayOptions", "Source", "Store", "ask", "ask_many", "ask_options",
-           "encode", "index", "open_store",
-           # earlier names, kept working with a DeprecationWarning
-           "answer", "answer_many", "encode_passages", "index_store"]
+__all__ = ["Answer", "AskOptions", "AskSettings", "CacheGraftError", "CorpusSource", "EncodeOptions",
+           "EncodeSummary", "GenerationConfig", "Models", "Passage", "RayOptions", "Source", "Store", "ask",
+           "ask_many", "ask_options", "encode", "index", "open_store"]
 
 Corpus = str | Path | Iterable[Passage | dict]
 
@@ -189,10 +184,10 @@ class Store:
         self.warm(opts.system)
         return [Answer.from_result(r) for r in self.asker.ask_many(items, opts, batch_size)]
 
-    def encode(self, corpus: Corpus, *, options: EncodeOptions | None = None, skip_bad: bool = False,
+    def encode(self, corpus: Corpus, *, options: EncodeOptions | None = None, source: CorpusSource | None = None,
                progress: Callable[[int, int], None] | None = None) -> EncodeSummary:
         """Append passages with the store's own models (see `encode`); the store is reopened after."""
-        summary = encode(corpus, self.path, options=options, skip_bad=skip_bad, progress=progress)
+        summary = encode(corpus, self.path, options=options, source=source, progress=progress)
         self._refresh()
         return summary
 
@@ -221,79 +216,86 @@ def open_store(path: str | Path, *, sharer: str | None = None, device: str | Non
                  trust_remote_code=trust_remote_code)
 
 
+@dataclass(frozen=True)
+class Models:
+    """Which models `encode` makes a new store with: a `preset` (the paper's pair when nothing is
+    given) and overrides, loaded on `device` in `dtype`. An append takes the store's own models;
+    models named for one must be the store's. Checked when made, as `cachegraft encode` checks them."""
+
+    preset: str | None = None
+    receiver: str | None = None
+    sharer: str | None = None
+    fuser: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    instruction: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("preset", "receiver", "sharer", "fuser", "device", "dtype", "instruction"):
+            checks.optional_text(f"{name} (--{name})", getattr(self, name))
+        checks.flag("trust_remote_code (--trust-remote-code)", self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """How `encode` reads a corpus file: `format` (jsonl, csv, tsv, json, dir; default by
+    extension), the fields holding id, text and title, and `skip_bad` (skip and count bad records
+    instead of stopping). Checked when made, as `cachegraft encode` checks them."""
+
+    format: str | None = None
+    id_field: str = "id"
+    text_field: str = "text"
+    title_field: str = "title"
+    skip_bad: bool = False
+
+    def __post_init__(self) -> None:
+        checks.optional_text("format (--format)", self.format)
+        for name in ("id_field", "text_field", "title_field"):
+            checks.text(f"{name} (--{name.replace('_', '-')})", getattr(self, name))
+        checks.flag("skip_bad (--skip-bad)", self.skip_bad)
+
+
 def encode(
     corpus: Corpus,
     store: str | Path,
     *,
-    preset: str | None = None,
-    receiver: str | None = None,
-    sharer: str | None = None,
-    fuser: str | None = None,
+    models: Models | None = None,
     options: EncodeOptions | None = None,
-    codec: str | None = None,
-    batch_size: int | None = None,
-    max_passage_tokens: int | None = None,
-    also_own_cache: bool | None = None,
-    commit_every: int | None = None,
-    keep: float | None = None,
-    compressor: str | None = None,
-    mismatched_sharer: bool | None = None,
-    sharer_notes: int | None = None,
-    calibration: str | Path | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-    trust_remote_code: bool = False,
-    instruction: str | None = None,
-    skip_bad: bool = False,
-    format: str | None = None,
-    id_field: str = "id",
-    text_field: str = "text",
-    title_field: str = "title",
-    runner: str = "local",
-    ray: RayOptions | None = None,
+    source: CorpusSource | None = None,
+    runner: str | RayOptions = "local",
     progress: Callable[[int, int], None] | None = None,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode a corpus into a store: a new one with the preset (the paper's pair when nothing is
-    given) and overrides, an existing one with the models recorded in it.
+    """Encode a corpus into a store: a new one with `models` (the paper's pair when none are
+    given), an existing one with the models recorded in it.
 
-    `corpus` is a path (JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md, `-` for stdin;
-    `format` and the `*_field`s as `cachegraft encode` takes them) or an iterable of `Passage`s
-    or dicts with `id`, `text` and optional `title` (other keys become metadata). The encode
-    settings come as `options` or one by one (`codec`, `batch_size`, `keep`, ...; one given
-    overrides `options`; `keep=0.5` stores half of each passage's tokens, see `encode --keep`;
-    `compressor="none"` trades 10-20% more bytes for about 40% less writer CPU;
-    `mismatched_sharer=True` makes the control store `system="mismatched"` reads;
-    `sharer_notes=N` stores and fuses up to N tokens of the sharer's notes with each passage;
-    `calibration` is a new `codec="tc"` store's calibration file, default the preset fuser's).
-    `runner` is `local` (this process) or `ray` (actors on a Ray cluster, settings in `ray`).
-    Re-encoding what is stored is skipped without loading any model; `planned(n)`
-    hears how many chunks will be encoded, `progress(passages, tokens)` each batch."""
+    `corpus` is a path (JSONL, CSV/TSV, SQuAD JSON, a directory of .txt/.md, `-` for stdin; read
+    as `source` says) or an iterable of `Passage`s or dicts with `id`, `text` and optional `title`
+    (other keys become metadata). The encode settings are `options` (`EncodeOptions`: codec,
+    batch size, keep, compressor, ...; see `cachegraft encode`). `runner` is `"local"` (this
+    process), `"ray"` or a `RayOptions` (actors on a Ray cluster). Re-encoding what is stored is
+    skipped without loading any model; `planned(n)` hears how many chunks will be encoded,
+    `progress(passages, tokens)` each batch."""
     from cachegraft_cli.corpus import from_records, read_corpus
     from cachegraft_cli.encoding.plan import check_corpus
     from cachegraft_cli.encoding.run import encode_into
 
     store = checks.location("store", store)  # None would become a directory named ./None
-    fields_: dict[str, Any] = {"id_field": id_field, "text_field": text_field, "title_field": title_field}
-    _check_encode_arguments(corpus, options, fields_, names=dict(
-        preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,
-        instruction=instruction, format=format), flags={"trust_remote_code": trust_remote_code, "skip_bad": skip_bad},
-        callbacks={"progress": progress, "planned": planned})
-    settings: dict[str, Any] = {"codec": codec, "batch_size": batch_size, "max_passage_tokens": max_passage_tokens,
-                                "also_own_cache": also_own_cache, "commit_every": commit_every, "keep": keep,
-                                "compressor": compressor, "mismatched_sharer": mismatched_sharer,
-                                "sharer_notes": sharer_notes,
-                                "calibration": str(calibration) if isinstance(calibration, Path) else calibration}
-    chosen = replace(options or EncodeOptions(), **{k: v for k, v in settings.items() if v is not None})
-    ray_options = _runner(runner, ray, device)  # checked before the corpus is read
+    _check_encode_arguments(corpus, models, options, source, callbacks={"progress": progress, "planned": planned})
+    models, source = models or Models(), source or CorpusSource()
+    ray_options = _runner(runner, models.device)  # checked before the corpus is read
+    fields_: dict[str, Any] = {"id_field": source.id_field, "text_field": source.text_field,
+                               "title_field": source.title_field}
     if isinstance(corpus, (str, Path)):
-        reader = read_corpus(corpus, skip_bad=skip_bad, format=format, **fields_)
+        reader = read_corpus(corpus, skip_bad=source.skip_bad, format=source.format, **fields_)
     else:
-        reader = from_records(corpus, skip_bad=skip_bad, **fields_)
+        reader = from_records(corpus, skip_bad=source.skip_bad, **fields_)
     check_corpus(reader)  # every record checked (a file is streamed, never held whole) before anything else
-    summary = encode_into(str(store), reader, chosen, preset=preset, receiver=receiver, sharer=sharer,
-                          fuser=fuser, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                          instruction=instruction, progress=progress, ray=ray_options, planned=planned)
+    summary = encode_into(str(store), reader, options or EncodeOptions(), preset=models.preset,
+                          receiver=models.receiver, sharer=models.sharer, fuser=models.fuser, device=models.device,
+                          dtype=models.dtype, trust_remote_code=models.trust_remote_code,
+                          instruction=models.instruction, progress=progress, ray=ray_options, planned=planned)
     summary.skipped_bad = sum(reader.skipped.values())
     summary.skipped_reasons = dict(reader.skipped)
     return summary
@@ -312,39 +314,32 @@ def _check_corpus_argument(corpus: Any) -> None:
                          "e.g. [{'id': 'a', 'text': 'Harbor town was founded in 1820.'}].")
 
 
-def _check_encode_arguments(corpus: Any, options: Any, fields_: dict, *, names: dict, flags: dict,
-                            callbacks: dict) -> None:
-    """`encode`'s arguments, before anything is read: model specs and other names (None or a
-    non-empty string), the corpus fields (non-empty strings), flags, callbacks and `options`."""
+def _check_encode_arguments(corpus: Any, models: Any, options: Any, source: Any, *, callbacks: dict) -> None:
+    """`encode`'s arguments, before anything is read: the corpus, the callbacks and the three
+    settings objects (each checked its fields when it was made)."""
     _check_corpus_argument(corpus)
-    for name, value in names.items():
-        checks.optional_text(f"{name} (--{name})", value)
-    for name, value in fields_.items():
-        checks.text(f"{name} (--{name.replace('_', '-')})", value)
-    for name, value in flags.items():
-        checks.flag(f"{name} (--{name.replace('_', '-')})", value)
     for name, value in callbacks.items():
         checks.callback(name, value)
-    checks.instance("options", options, EncodeOptions,
-                    "Build one with cg.EncodeOptions(...), or pass codec=, batch_size=, ... as keyword arguments.")
+    checks.instance("models", models, Models, "Build one with cg.Models(receiver=..., ...).")
+    checks.instance("options", options, EncodeOptions, "Build one with cg.EncodeOptions(codec=..., batch_size=...).")
+    checks.instance("source", source, CorpusSource, "Build one with cg.CorpusSource(format=..., skip_bad=...).")
 
 
-def _runner(runner: str, ray: RayOptions | None, device: str | None) -> RayOptions | None:
-    """None for the local runner; Ray's options, checked, with ray importable."""
+def _runner(runner: Any, device: str | None) -> RayOptions | None:
+    """None for the local runner; Ray's options (`"ray"`: the defaults), checked, with ray importable."""
     from cachegraft_cli.encoding import RUNNERS
 
-    if runner not in RUNNERS:
-        raise UsageError(f"unknown runner {runner!r}.", f"Use one of: {', '.join(RUNNERS)}.")
-    if runner == "local":
-        if ray is not None:
-            raise UsageError("Ray settings only apply with the ray runner.", "Add --runner ray, or drop them.")
-        return None
+    if isinstance(runner, str) and runner == "local":
+        return None  # the Ray driver is not even imported
     from cachegraft_cli.encoding.ray.driver import RayOptions, check_devices, require_ray
 
-    ray = checks.instance("ray", ray, RayOptions, "Build one with cg.RayOptions(...).") or RayOptions()
-    check_devices(device, ray)
+    if isinstance(runner, str) and runner in RUNNERS:
+        runner = RayOptions()
+    if not isinstance(runner, RayOptions):
+        raise UsageError(f"unknown runner {runner!r}.", f"Use one of: {', '.join(RUNNERS)}, or a cg.RayOptions.")
+    check_devices(device, runner)
     require_ray()
-    return ray
+    return runner
 
 
 def index(store: str | Path, kind: str = "bm25", embedder: str | None = None, rebuild: bool = False,
@@ -386,19 +381,3 @@ def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | 
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                         trust_remote_code=trust_remote_code)
     return opened.ask_many(questions, options, batch_size=batch_size, **settings)
-
-
-def _renamed(old: str, new: Callable) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"cachegraft_cli.{old} is now cachegraft_cli.{new.__name__}; the old name will go.",
-                      DeprecationWarning, stacklevel=2)
-        return new(*args, **kwargs)
-
-    call.__name__, call.__doc__ = old, f"Deprecated name of `{new.__name__}`."
-    return call
-
-
-encode_passages = _renamed("encode_passages", encode)
-index_store = _renamed("index_store", index)
-answer = _renamed("answer", ask)
-answer_many = _renamed("answer_many", ask_many)

@@ -148,10 +148,12 @@ def _reencode(url: str, rows: list, lock):
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelSession, stored_choice
     from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store.target import Target
 
     store = CacheStore.open(url)
     options = EncodeOptions(codec=store.identity["codec"], also_own_cache="own" in store.kinds)
-    return reencode_rows(url, rows, ModelSession(stored_choice(store.identity).check()), options, lock)
+    return reencode_rows(Target.open(url), rows, ModelSession(stored_choice(store.identity).check()), options,
+                         lock)
 
 
 def _rebuild_index(url: str, keep_for: str | None = None) -> str | None:

@@ -177,18 +177,14 @@ class ModelSession:
     def open_or_create_store(self, target, codec: str, also_own_cache: bool, keep: dict | None = None,
                              compressor: str | None = None, sharer_input: dict | None = None,
                              notes: dict | None = None, codec_params: dict | None = None):
-        """A store for these models at `target` (a URL or the caller's `store.target.Target`): created,
-        or the existing one (identity checked). A store that already keeps own caches goes on
-        keeping them, asked or not."""
+        """A store for these models at `target` (the caller's `store.target.Target`, checked):
+        created, or the existing one (identity checked). A store that already keeps own caches
+        goes on keeping them, asked or not."""
         from cachegraft_cli.lm import kvcache
         from cachegraft_cli.store.oserrors import writing
-        from cachegraft_cli.store.target import Target
 
-        target = Target.open(target)
         store = target.store
         kinds = ("fused", "own") if also_own_cache else ("fused",)
-        if store is not None:
-            check_kinds(store, also_own_cache)
         prefix = kvcache.to_token_major(self.fusion().prefix_kv())
         with writing(target.name, "create the store"):
             return target.create(self.identity(codec, keep, sharer_input, notes), prefix,
@@ -208,14 +204,6 @@ class ModelSession:
 
         check(store.loc.url, store.identity, {"template": self.template.identity(),
                                               "prefix_token_ids": self.template.prefix_ids()})
-
-
-def check_kinds(store, also_own_cache: bool) -> None:
-    if also_own_cache and "own" not in store.kinds:
-        raise StoreMismatchError(
-            f"Store {store.loc.url} was made without own caches, so --also-own-cache cannot add them now.",
-            "Encode into a new --store with --also-own-cache to compare with the `cache` system.",
-        )
 
 
 def stored_choice(identity: dict) -> ModelChoice:

@@ -16,7 +16,8 @@ NEW = {"id": "comet", "title": "Comet", "text": "The comet Velmora returns every
 def make_store(path, receiver, passages=PASSAGES) -> str:
     import cachegraft_cli as cg
 
-    cg.encode(list(passages), str(path), receiver=str(receiver), dtype="float32", codec="float32")
+    cg.encode(list(passages), str(path), models=cg.Models(receiver=str(receiver), dtype="float32"),
+              options=cg.EncodeOptions(codec="float32"))
     cg.index(str(path))
     return str(path)
 

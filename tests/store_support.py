@@ -8,6 +8,7 @@ import numpy as np
 
 from cachegraft_cli.store import CacheStore, PassageRow
 from cachegraft_cli.store.codecs import from_bf16_words, to_bf16_words
+from cachegraft_cli.store.target import Target
 
 GEOMETRY = {"layers": 3, "kv_heads": 2, "head_dim": 8}
 TOKEN_SHAPE = (3, 2, 2, 8)
@@ -136,7 +137,7 @@ def indexed_store(root, words, receiver, commit_every: int) -> dict:
                               for i, w in enumerate(words)))
     session = ModelSession(ModelChoice(str(receiver), None, "closed", device="cpu", dtype="float32"))
     store = root / "store"
-    encode_corpus(read_corpus(corpus), str(store), session, EncodeOptions(commit_every=commit_every))
+    encode_corpus(read_corpus(corpus), Target.open(str(store)), session, EncodeOptions(commit_every=commit_every))
     build_store_index(str(store))
     opened = CacheStore.open(str(store))
     return {"store": store, "caches": dict(zip(opened.ids(), opened.read(opened.ids()))), "corpus": corpus,

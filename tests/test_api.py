@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -30,9 +31,10 @@ MORE = cg.Passage("photo", "Photosynthesis", "Photosynthesis turns light, water 
 @pytest.fixture
 def store(tiny_dirs, tmp_path):
     path = tmp_path / "store"
-    summary = cg.encode_passages(PASSAGES, path, receiver=str(tiny_dirs["receiver"]), dtype="float32", codec="float32")
+    summary = cg.encode(PASSAGES, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"),
+                        options=cg.EncodeOptions(codec="float32"))
     assert summary.added == 2 and summary.fuser == "closed"
-    cg.index_store(path)
+    cg.index(path)
     return path
 
 
@@ -44,7 +46,8 @@ def test_import_is_light_and_lists_the_api():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "open_store" in proc.stdout and "encode_passages" in proc.stdout and "answer_many" in proc.stdout
+    assert "open_store" in proc.stdout and "Models" in proc.stdout and "CorpusSource" in proc.stdout
+    assert "encode_passages" not in proc.stdout and "answer_many" not in proc.stdout  # the 0.1 names are gone
 
 
 def test_store_keeps_its_models_across_questions(store, loads, greedy_margins):
@@ -74,16 +77,16 @@ def test_append_and_reindex_through_the_handle(store, loads):
 
 
 def test_one_shot_calls_and_their_errors(store, tmp_path):
-    answer = cg.answer("where was the treaty signed?", store, k=1, max_new_tokens=3, dtype="float32")
+    answer = cg.ask("where was the treaty signed?", store, k=1, max_new_tokens=3, dtype="float32")
     assert answer.sources[0].id == "treaty"
-    assert [a.sources[0].id for a in cg.answer_many(["who built the lighthouse?"], store, k=1, max_new_tokens=2)] == \
+    assert [a.sources[0].id for a in cg.ask_many(["who built the lighthouse?"], store, k=1, max_new_tokens=2)] == \
         ["harbor"]
     with pytest.raises(UsageError, match="Unknown ask option"):
-        cg.answer("q?", store, top_k=3)
+        cg.ask("q?", store, top_k=3)
     with pytest.raises(UsageError, match="Unknown system"):
-        cg.answer("q?", store, system="nope")
+        cg.ask("q?", store, system="nope")
     with pytest.raises(NoPassagesError):
-        cg.answer("zzqx vvbnm", store)
+        cg.ask("zzqx vvbnm", store)
     with pytest.raises(StoreNotFoundError):
         cg.open_store(tmp_path / "missing")
     assert cg.ask_options(k=5, seed=1).generation.seed == 1
@@ -93,23 +96,38 @@ def test_passages_from_dicts_are_checked(tiny_dirs, tmp_path):
     from cachegraft_cli.errors import CorpusError
 
     with pytest.raises(CorpusError, match=r"\[0\]: missing text"):
-        cg.encode_passages([{"id": "x", "title": "no text"}], tmp_path / "s", receiver=str(tiny_dirs["receiver"]))
+        cg.encode([{"id": "x", "title": "no text"}], tmp_path / "s",
+                  models=cg.Models(receiver=str(tiny_dirs["receiver"])))
     assert not (tmp_path / "s").exists()  # refused before anything was written
 
 
 # ---------------------------------------------------------------- bad calls
-# Every argument of `encode`, `open_store`, `Store.ask`, `Store.ask_many` (and the one-shot and
-# deprecated forms) given a wrong type or value: a UsageError (exit code 2) with a hint naming the
+# Every argument of `encode`, `open_store`, `Store.ask`, `Store.ask_many` (and the one-shot forms)
+# given a wrong type or value: a UsageError (exit code 2) with a hint naming the
 # argument, before any model loads and before anything is written.
 
 GOOD = [{"id": "a", "text": "Harbor town was founded in 1820."}]
 NAN, INF = float("nan"), float("inf")
 
 
+_GROUPS = {"models": ("preset", "receiver", "sharer", "fuser", "device", "dtype", "trust_remote_code", "instruction"),
+           "options": tuple(f.name for f in dataclasses.fields(cg.EncodeOptions)),
+           "source": ("format", "id_field", "text_field", "title_field", "skip_bad")}
+
+
 def _enc(**kw):
+    """`cg.encode` with the settings given one by one, each put in its object (made inside the call,
+    so a bad field is refused as the call is)."""
     def call(c):
-        args = {"corpus": GOOD, "store": c["tmp"] / "new", "receiver": c["receiver"], **kw}
-        return cg.encode(args.pop("corpus"), args.pop("store"), **args)
+        args = {"corpus": GOOD, "store": c["tmp"] / "new", **({} if "models" in kw else {"receiver": c["receiver"]}),
+                **kw}
+        corpus, store = args.pop("corpus"), args.pop("store")
+        made = {"models": cg.Models, "options": cg.EncodeOptions, "source": cg.CorpusSource}
+        for group, names in _GROUPS.items():
+            fields = {n: args.pop(n) for n in names if n in args}
+            if fields:
+                args[group] = made[group](**fields)
+        return cg.encode(corpus, store, **args)
     return call
 
 
@@ -123,12 +141,6 @@ def _ask(question="who built the lighthouse?", **kw):
 
 def _many(questions=("who built the lighthouse?",), **kw):
     return lambda c: cg.open_store(c["store"]).ask_many(questions, **kw)
-
-
-def _old(alias, *args, **kw):
-    """A deprecated name: it warns, then checks its arguments as the new one does."""
-    with pytest.warns(DeprecationWarning):
-        return alias(*args, **kw)
 
 
 BAD_CALLS = [
@@ -179,7 +191,9 @@ BAD_CALLS = [
     ("encode-text-field-empty", _enc(text_field=""), "text_field"),
     ("encode-title-field-int", _enc(title_field=1), "title_field"),
     ("encode-runner-unknown", _enc(runner="spark"), "runner"),
-    ("encode-ray-with-local", _enc(ray=object()), "Ray settings"),
+    ("encode-runner-object", _enc(runner=object()), "runner"),
+    ("encode-models-dict", _enc(models={"receiver": "x"}), "models"),
+    ("encode-source-dict", _enc(source={"format": "jsonl"}), "source"),
     ("encode-progress-int", _enc(progress=3), "progress"),
     ("encode-planned-str", _enc(planned="x"), "planned"),
     # open_store: every argument
@@ -263,11 +277,6 @@ BAD_CALLS = [
     ("oneshot-ask-seed-str", lambda c: cg.ask("who?", c["store"], seed="x"), "seed"),
     ("oneshot-many-string", lambda c: cg.ask_many("abc", c["store"]), "questions must be a list"),
     ("oneshot-many-batch-zero", lambda c: cg.ask_many(["who?"], c["store"], batch_size=0), "batch_size"),
-    ("alias-encode-passages-none", lambda c: _old(cg.encode_passages, None, c["tmp"] / "n", receiver=c["receiver"]),
-     "corpus"),
-    ("alias-answer-none", lambda c: _old(cg.answer, None, c["store"]), "question"),
-    ("alias-answer-many-string", lambda c: _old(cg.answer_many, "abc", c["store"]), "questions must be a list"),
-    ("alias-index-store-none", lambda c: _old(cg.index_store, None), "store"),
     ("index-store-none", lambda c: cg.index(None), "store"),
     ("index-kind-int", lambda c: cg.index(c["store"], kind=3), "index kind"),
     ("index-engines-string", lambda c: cg.index(c["store"], engines="flat"), "engines"),
@@ -279,7 +288,7 @@ BAD_CALLS = [
 @pytest.fixture(scope="module")
 def asked_store(tiny_dirs, tmp_path_factory):
     path = tmp_path_factory.mktemp("api-bad") / "store"
-    cg.encode(PASSAGES, path, receiver=str(tiny_dirs["receiver"]), dtype="float32")
+    cg.encode(PASSAGES, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"))
     cg.index(path)
     return path
 

@@ -1,3 +1,4 @@
+
 """Slow: the real offline receiver (`cachegraft models pull offline`, or $CACHEGRAFT_TEST_RECEIVER);
 skipped when absent."""
 
@@ -23,11 +24,12 @@ def test_real_receiver_answers_from_its_cache_like_from_text(tmp_path):
     from cachegraft_cli.lm.generation import GenerationOptions
     from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.store.target import Target
 
     passages = [p for p in read_corpus(SAMPLE) if p.id.startswith("harrowmere")]
     session = ModelSession(ModelChoice(RECEIVER, None, "closed", device="cpu", dtype="float32"))
     url = str(tmp_path / "store")
-    encode_corpus(passages, url, session, EncodeOptions(codec="float32"))
+    encode_corpus(passages, Target.open(url), session, EncodeOptions(codec="float32"))
     build_store_index(url)
     asker = Asker(url, session=session)
     question = "Who led the peat cutters that founded Harrowmere?"

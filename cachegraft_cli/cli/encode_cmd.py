@@ -82,8 +82,6 @@ def encode(
     trust_remote_code: TrustOpt = False,
     runner: Annotated[str, typer.Option(
         help="local (this process) or ray (actors on a Ray cluster; pip install 'cachegraft[ray]').")] = "local",
-    engine: Annotated[Optional[str], typer.Option(
-        hidden=True, help="Deprecated name of --runner (--engine names retrieval engines, in `index`).")] = None,
     address: Annotated[str | None, typer.Option(
         help="Ray: cluster address HOST:PORT (default: RAY_ADDRESS, else a local Ray runtime).")] = None,
     actors: Annotated[int | None, typer.Option(
@@ -95,21 +93,22 @@ def encode(
     json_out: JsonOpt = False,
 ) -> None:
     """Encode a corpus into a fused-cache store (idempotent: re-runs skip what is stored)."""
-    from cachegraft_cli.api import encode as encode_corpus
+    from cachegraft_cli.api import CorpusSource, EncodeOptions, Models, encode as encode_corpus
     from cachegraft_cli.cli.output import showing_status
-    from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.progress import EncodeProgress
 
     # Everything is checked before anything is written or any model loads (the API checks the rest).
-    options = EncodeOptions(codec, batch_size, max_passage_tokens, also_own_cache, commit_every, keep, keep_by,
-                            compressor, mismatched_sharer, sharer_notes, calibration)
-    runner = _runner(runner, engine)
+    options = EncodeOptions(codec=codec, batch_size=batch_size, max_passage_tokens=max_passage_tokens,
+                            also_own_cache=also_own_cache, commit_every=commit_every, keep=keep, keep_by=keep_by,
+                            compressor=compressor, mismatched_sharer=mismatched_sharer, sharer_notes=sharer_notes,
+                            calibration=calibration)
+    models = Models(preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,
+                    trust_remote_code=trust_remote_code, instruction=instruction)
+    source = CorpusSource(format=fmt, id_field=id_field, text_field=text_field, title_field=title_field,
+                          skip_bad=skip_bad)
     ray = _ray_options(runner, address, actors, gpus_per_actor, cpus_per_actor)
     with showing_status(json_out), EncodeProgress(0) as bar:  # the plan sets its total before it shows
-        summary = encode_corpus(corpus, store, preset=preset, receiver=receiver, sharer=sharer, fuser=fuser,
-                                options=options, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                                instruction=instruction, skip_bad=skip_bad, format=fmt, id_field=id_field,
-                                text_field=text_field, title_field=title_field, runner=runner, ray=ray,
+        summary = encode_corpus(corpus, store, models=models, options=options, source=source, runner=ray or runner,
                                 progress=bar, planned=bar.set_total)
     if summary.fuser == "closed" and summary.added:
         log("note: no fuser (closed): the stored caches are the receiver's own caches.")
@@ -119,14 +118,6 @@ def encode(
         emit_json(summary.as_dict())
     else:
         _print(summary)
-
-
-def _runner(runner: str, engine: str | None) -> str:
-    """--runner, or the deprecated --engine it replaced (with a note on stderr)."""
-    if engine is None:
-        return runner
-    log("note: `encode --engine` is now `--runner` (--engine names retrieval engines); the old name will go.")
-    return engine
 
 
 def _ray_options(runner: str, address, actors, gpus_per_actor, cpus_per_actor):

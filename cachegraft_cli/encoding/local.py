@@ -44,14 +44,14 @@ from cachegraft_cli.store.target import Target
 
 def encode_corpus(
     passages: Iterable[Passage],
-    store: str | Target,
+    target: Target,
     session: ModelSession,
     options: EncodeOptions,
     progress: Callable[[int, int], None] | None = None,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into `store` (a URL, or the `Target` the caller opened; created if
-    missing), in the order of the module docstring.
+    """Encode passages into `target` (the store the caller opened; created if missing), in the
+    order of the module docstring. The target is checked here, once.
 
     `passages` is read more than once (plan, then write): a `CorpusReader` or a list; a
     one-shot iterator is listed first. A corpus that is already stored loads no model at
@@ -62,7 +62,6 @@ def encode_corpus(
 
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
-    target = Target.open(store)
     named = options.codec or target.codec
     codec, note = (named, None) if named else calibration.default_codec(session.choice.fuser)
     keep = options.keep_for(target.keep)
@@ -109,21 +108,22 @@ def encode_corpus(
     return summary
 
 
-def reencode_rows(store_url: str, rows: list, session: ModelSession, options: EncodeOptions, lock) -> EncodeSummary:
-    """Encode stored rows again (passages `store repair` dropped), from their stored text, chunk by
-    chunk as they were split; the caller holds the store's lock. A row whose block the loaded
+def reencode_rows(target: Target, rows: list, session: ModelSession, options: EncodeOptions, lock) -> EncodeSummary:
+    """Encode stored rows again (passages `store repair` dropped) into `target`, from their stored
+    text, chunk by chunk as they were split; the caller holds the store's lock. A row whose block the loaded
     template does not reproduce (its content hash differs) is skipped and counted as bad."""
     from cachegraft_cli.store import CacheStore
     from cachegraft_cli.store.identity import notes_tokens, sharer_input
     from cachegraft_cli.store.oserrors import writing
 
+    store_url = target.name
     identity = CacheStore.check_exists(store_url)["identity"]
     codec = options.codec or identity["codec"]
     mismatched = sharer_input(identity) == "mismatched"
     notes = notes_tokens(identity)
     # re-encoded rows are pruned as the store's others, fused with the donors and notes their rows record
     options = replace(options.with_keep(identity.get("keep")), mismatched_sharer=mismatched, sharer_notes=notes)
-    store = session.open_or_create_store(store_url, codec, options.also_own_cache, identity.get("keep"),
+    store = session.open_or_create_store(target, codec, options.also_own_cache, identity.get("keep"),
                                          sharer_input=donor_identity(mismatched), notes=notes_identity(notes))
     summary = EncodeSummary(store=store_url)
     chunks = []

@@ -40,9 +40,7 @@ def encode_into(
 
     options = options or EncodeOptions()
     target = Target.open(store_url)  # a file, a foreign directory, a lost manifest: first, and only once
-    check_not_foreign(target)
-    target.check(options.codec, options.kinds, compressor=options.compressor, mismatched=options.mismatched_sharer,
-                 notes=options.sharer_notes)
+    check_not_foreign(target)  # the runner checks the target against the options, once
     choice = choice_for_encode(target.store, preset, receiver, sharer, fuser, device=device, dtype=dtype,
                                trust_remote_code=trust_remote_code or None, instruction=instruction)
     if target.store is not None:

@@ -143,6 +143,7 @@ class StoreAnswerer:
         from cachegraft_cli.encoding.plan import EncodeOptions
         from cachegraft_cli.progress import EncodeProgress
         from cachegraft_cli.retrieval.stored import build_store_index
+        from cachegraft_cli.store.target import Target
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         own = "cache" in self.systems
@@ -160,7 +161,7 @@ class StoreAnswerer:
                 role = ", mismatched sharer" if mismatched else (", adapter" if fuser != self.config.fuser else "")
                 what = f"{codec}, keep {keep:g}{role}" + (f", notes {notes}" if notes else "")
                 with EncodeProgress(len(rows), f"encode {benchmark_name} ({what})") as bar:
-                    encode_corpus(rows, url, self._session(fuser), options, progress=bar)
+                    encode_corpus(rows, Target.open(url), self._session(fuser), options, progress=bar)
                 build_store_index(url, self.config.index_kind)
         if "sharer-text" not in self.systems:
             self._release_sharers()

@@ -86,6 +86,18 @@ def describe_keep(keep: dict | None) -> str:
     return "1 (every token)" if keep is None else f"{keep['ratio']:g} (by {keep['by']})"
 
 
+def check_kinds(url: str, stored: tuple[str, ...], wanted: tuple[str, ...], exact: bool = False) -> None:
+    """The cache kinds a store holds against those asked for (`exact`: the same set; otherwise an
+    append may leave out the own caches a store keeps, and writes them anyway)."""
+    if set(wanted) <= set(stored) and (not exact or set(wanted) == set(stored)):
+        return
+    made = "without own caches" if "own" not in stored else "with own caches"
+    raise StoreMismatchError(f"store {url} was made {made} (cache kinds {sorted(stored)}), but {sorted(wanted)} "
+                             "were requested.",
+                             hint="Encode into a new --store with --also-own-cache to compare with the `cache` "
+                                  "system, or ask for the cache kinds the store was made with.")
+
+
 def check_keep(url: str, stored: dict | None, wanted: dict | None) -> None:
     """A store is pruned one way throughout: refuse an append that asks for another keep."""
     if normalise(stored or {}) == normalise(wanted or {}):

@@ -79,7 +79,7 @@ class CacheStore:
         loc = Location.from_url(url, storage_options)
         if _store_exists(loc):
             store = cls.open(url, expect=ident, storage_options=storage_options)
-            _check_kinds(store, kinds)
+            ident_mod.check_kinds(store.loc.url, store.kinds, kinds, exact=True)
             return store
         if "fused" not in kinds or len(set(kinds)) != len(kinds):
             raise UsageError(f"cache kinds must be distinct and include 'fused'; got {list(kinds)}.")
@@ -437,13 +437,6 @@ def half_created(loc: Location) -> bool:
 
     names = {n for n in loc.list_names("") if not is_temp(n)}
     return names <= {ROOT_META, PREFIX, MANIFEST, LOCK, SEGMENTS, "codec"} and not loc.list_names(SEGMENTS)
-
-
-def _check_kinds(store: CacheStore, kinds: tuple) -> None:
-    if set(kinds) != set(store.kinds):
-        raise StoreMismatchError(
-            f"store {store.loc.url} holds cache kinds {sorted(store.kinds)}, but {sorted(kinds)} were requested.",
-            hint="Use another --store, or the same cache kinds the store was made with.")
 
 
 def _check_prefix(prefix, ident: dict) -> np.ndarray:

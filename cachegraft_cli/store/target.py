@@ -1,12 +1,14 @@
-"""The store a writing command targets, opened once and passed down.
+"""The store a writing command targets, opened once and passed down: the encode protocol.
 
 `encode` opens its `--store` into a `Target` before anything else: the URL is
 parsed once, a local path is checked (a file, a non-empty directory that is no
-store), and the metadata and manifest of an existing store are read once. The
-same handle is then checked against the codec and cache kinds asked for (no
-I/O), locked (`locked`: the writer lock, then the snapshot brought up to date
-under it, since another writer may have committed meanwhile), and finally made
-into the store the writers write (`create`). A bad target is refused in well
+store), and the metadata and manifest of an existing store are read once. Every
+runner (local or Ray) takes that handle, never a URL. The runner checks it once
+against what the encode asks for (`check`: codec, cache kinds, keep, sharer
+input, notes; no I/O), locks it (`locked`: the writer lock, then the snapshot
+brought up to date under it, since another writer may have committed or created
+the store meanwhile; the one place encode locks and recovers), and finally makes
+it into the store the writers write (`create`). A bad target is refused in well
 under a second, before any model loads.
 """
 
@@ -36,12 +38,12 @@ class Target:
     loc: Location
     store: CacheStore | None
     name: str
+    # what `check` was asked, checked again when a store another writer made appears under the lock
+    wanted: dict | None = None
 
     @classmethod
     def open(cls, url, storage_options: dict | None = None) -> Target:
-        """The target at `url` (a `Target` is taken as it is)."""
-        if isinstance(url, Target):
-            return url
+        """The target at `url` (a path or URL)."""
         loc = Location.from_url(url, storage_options)
         if loc.local:
             _check_local_path(loc)
@@ -73,7 +75,9 @@ class Target:
               compressor: str | None = None, mismatched: bool | None = None, notes: int | None = None) -> None:
         """Refuse a codec, cache kinds, keep ratio, compressor or sharer input the existing store cannot
         take (`codec`, `compressor`, `mismatched` None: the store's own; `keep` None: every token, as the
-        store must have been made)."""
+        store must have been made). A target with no store yet is checked again under the lock."""
+        self.wanted = {"codec": codec, "kinds": kinds, "keep": keep, "compressor": compressor,
+                       "mismatched": mismatched, "notes": notes}
         if self.store is None:
             return
         if notes is not None and notes != self.notes:
@@ -86,7 +90,7 @@ class Target:
                 f"store {self.url} was made {made} --mismatched-sharer (its sharer input is "
                 f"{sharer_input(self.store.identity)!r}).",
                 hint="Leave --mismatched-sharer out to append as the store was made, or use another --store.")
-        from cachegraft_cli.store.identity import check_keep
+        from cachegraft_cli.store.identity import check_keep, check_kinds
         from cachegraft_cli.store.layout import compressor_name
 
         check_keep(self.url, self.store.keep, keep)
@@ -100,20 +104,20 @@ class Target:
             raise StoreMismatchError(
                 f"store {self.url} was made with codec={stored!r}, but codec={codec!r} was requested.",
                 hint=f"Use --codec {stored}, or another --store.")
-        if not set(kinds) <= set(self.store.kinds):
-            raise StoreMismatchError(
-                f"store {self.url} was made without own caches, so --also-own-cache cannot add them now.",
-                "Encode into a new --store with --also-own-cache to compare with the `cache` system.")
+        check_kinds(self.url, self.store.kinds, kinds)
 
     @contextmanager
     def locked(self, run_info: dict) -> Iterator[WriterLock]:
         """Hold the writer lock; under it the snapshot is what other writers committed up to now
-        (a store another writer created meanwhile is opened)."""
+        (a store another writer created meanwhile is opened, and checked as `check` was asked).
+        Writers handed this lock do not recover again: nobody else writes while it is held."""
         from cachegraft_cli.store.recover import recover
 
         with lock_store(self.loc, run_info) as lock:
             if self.store is None:
                 self.store = _open(self.loc)
+                if self.store is not None and self.wanted is not None:
+                    self.check(**self.wanted)
             if self.store is not None:
                 recover(self.store)  # committed-but-unlisted segments count as stored before a plan is made
                 if self.store.missing:

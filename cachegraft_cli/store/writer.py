@@ -58,9 +58,12 @@ class StoreWriter:
         self.lock = self._acquire()
 
     def _acquire(self):
-        """Hold the store's writer lock for the session (or the one the caller holds), then recover:
-        uncommitted unlisted segments out, committed ones in, the snapshot up to date."""
-        lock = self._given_lock or WriterLock(self.store.loc, self.run_info).acquire()
+        """Hold the store's writer lock for the session, then recover: uncommitted unlisted segments
+        out, committed ones in, the snapshot up to date. A lock the caller holds is taken as it is:
+        its holder recovered on taking it (`Target.locked`), and nobody else has written since."""
+        if self._given_lock is not None:
+            return self._given_lock
+        lock = WriterLock(self.store.loc, self.run_info).acquire()
         try:
             recover(self.store)
         except BaseException:

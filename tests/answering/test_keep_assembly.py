@@ -13,6 +13,7 @@ from cachegraft_cli.fuser.fusion import PassageFusion
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.lm.generation import GenerationOptions, Prompt, generate, prompt_logits
 from cachegraft_cli.lm.template import PromptTemplate
+from cachegraft_cli.store.target import Target
 
 PASSAGES = [
     ("Harbor", "Harbor town was founded in 1820 by fishermen who built the first lighthouse."),
@@ -106,7 +107,7 @@ def test_ask_reads_pruned_and_unpruned_stores(tiny_dirs, tmp_path):
     answers = {}
     for keep in (1.0, 0.5):
         url = str(tmp_path / f"keep{keep}")
-        encode_corpus(passages, url, session, EncodeOptions(codec="bf16", keep=keep))
+        encode_corpus(passages, Target.open(url), session, EncodeOptions(codec="bf16", keep=keep))
         build_store_index(url)
         asker = Asker(url, session=session)
         for recompute in (0, 4):

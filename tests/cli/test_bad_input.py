@@ -19,6 +19,7 @@ import pytest
 from faults import record
 
 from cachegraft_cli.cli.app import main
+from cachegraft_cli.store.target import Target
 
 SQUAD_QA = {"id": "q1", "question": "When?", "answers": [{"text": "1820"}]}
 SQUAD_OK = {"data": [{"title": "Harbor", "paragraphs": [{"context": "Harbor town was founded in 1820.",
@@ -99,7 +100,7 @@ def workspace(tiny_dirs, tmp_path_factory):
     w = tmp_path_factory.mktemp("bad-input")
     _files(w)
     session = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
-    encode_corpus(read_corpus(w / "good.jsonl"), str(w / "store"), session, EncodeOptions())
+    encode_corpus(read_corpus(w / "good.jsonl"), Target.open(str(w / "store")), session, EncodeOptions())
     shutil.copytree(w / "store", w / "noindex")
     build_store_index(str(w / "store"))
     shutil.copytree(w / "store", w / "nomanifest")
@@ -342,7 +343,7 @@ def long_store(tiny_dirs, tmp_path_factory):
     words = "harbor lighthouse fishermen founded town river bank treaty signed"
     passages = [{"id": f"p{i}", "title": f"Harbor {i}", "text": f"Harbor town passage {i}: {words} {words}."}
                 for i in range(40)]
-    cg.encode(passages, path, receiver=str(tiny_dirs["receiver"]), dtype="float32")
+    cg.encode(passages, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"))
     cg.index(path)
     return path
 

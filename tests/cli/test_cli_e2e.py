@@ -1,3 +1,4 @@
+
 """encode -> index -> ask through the CLI with tiny models: exactness, batch
 mode, the sharer never loading for graft, and every error's exit code."""
 
@@ -174,9 +175,11 @@ def test_empty_store_and_changed_receiver(tiny_dirs, tmp_path, capsys, monkeypat
     from cachegraft_cli.encoding.local import encode_corpus
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelChoice, ModelSession
+    from cachegraft_cli.store.target import Target
 
     session = ModelSession(ModelChoice(str(receiver), None, "closed", device="cpu", dtype="float32"))
-    encode_corpus([], str(tmp_path / "empty-store"), session, EncodeOptions(codec="float32"))  # the library may
+    encode_corpus([], Target.open(str(tmp_path / "empty-store")),
+                  session, EncodeOptions(codec="float32"))  # the library may
     code, _, err = run(capsys, monkeypatch, "ask", QUESTIONS[0], "--store", tmp_path / "empty-store")
     assert code == 10 and "no passages" in err
     store = tmp_path / "store"

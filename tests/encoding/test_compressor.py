@@ -10,6 +10,7 @@ from cachegraft_cli.encoding.plan import EncodeOptions
 from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 TEXT = "Harbor town was founded in 1820 by fishermen who built the first lighthouse on the northern cliffs."
 
@@ -29,7 +30,7 @@ def test_an_uncompressed_store_holds_the_same_caches(session, tmp_path, codec):
     stores = {}
     for name in ("zstd", "none"):
         url = str(tmp_path / name)
-        encode_corpus(_passages(4), url, session, EncodeOptions(codec=codec, compressor=name))
+        encode_corpus(_passages(4), Target.open(url), session, EncodeOptions(codec=codec, compressor=name))
         stores[name] = CacheStore.open(url)
     info = {name: s.info() for name, s in stores.items()}
     assert info["none"]["compressor"] == {"name": "none"} and info["zstd"]["compressor"]["cname"] == "zstd"
@@ -45,11 +46,11 @@ def test_an_uncompressed_store_holds_the_same_caches(session, tmp_path, codec):
 
 def test_appends_keep_the_store_compressor_and_refuse_another(session, tmp_path):
     url = str(tmp_path / "s")
-    encode_corpus(_passages(2), url, session, EncodeOptions(codec="bf16", compressor="none"))
-    more = encode_corpus(_passages(3), url, session, EncodeOptions())  # no --compressor: the store's
+    encode_corpus(_passages(2), Target.open(url), session, EncodeOptions(codec="bf16", compressor="none"))
+    more = encode_corpus(_passages(3), Target.open(url), session, EncodeOptions())  # no --compressor: the store's
     assert more.added == 1 and CacheStore.open(url).compressor == {"name": "none"}
     with pytest.raises(StoreMismatchError, match="compressor='none'") as err:
-        encode_corpus(_passages(4), url, session, EncodeOptions(compressor="zstd"))
+        encode_corpus(_passages(4), Target.open(url), session, EncodeOptions(compressor="zstd"))
     assert "Leave --compressor out" in err.value.hint
 
 

@@ -19,6 +19,7 @@ from cachegraft_cli.encoding.plan import EncodeOptions, split_passage
 from cachegraft_cli.errors import CorpusError, StoreMismatchError
 from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 TEXTS = [
     "Harbor town was founded in 1820 by fishermen who built the first lighthouse.",
@@ -46,12 +47,12 @@ def _files(store_dir: Path) -> dict[str, str]:
 
 def test_rerun_is_idempotent_and_append_keeps_old_chunks(session, tmp_path):
     url = str(tmp_path / "s")
-    first = encode_corpus(_passages(3), url, session, EncodeOptions(codec="float32", batch_size=2))
+    first = encode_corpus(_passages(3), Target.open(url), session, EncodeOptions(codec="float32", batch_size=2))
     assert first.added == 3 and len(first.segments) == 1
     before = _files(tmp_path / "s")
-    again = encode_corpus(_passages(3), url, session, EncodeOptions(codec="float32"))
+    again = encode_corpus(_passages(3), Target.open(url), session, EncodeOptions(codec="float32"))
     assert again.added == 0 and again.skipped_existing == 3 and again.segments == []
-    more = encode_corpus(_passages(5), url, session, EncodeOptions(codec="float32"))
+    more = encode_corpus(_passages(5), Target.open(url), session, EncodeOptions(codec="float32"))
     assert more.added == 2 and more.skipped_existing == 3
     after = _files(tmp_path / "s")
     assert all(after[name] == digest for name, digest in before.items())  # nothing rewritten
@@ -61,17 +62,17 @@ def test_rerun_is_idempotent_and_append_keeps_old_chunks(session, tmp_path):
 
 def test_changed_text_for_a_stored_id_is_refused(session, tmp_path):
     url = str(tmp_path / "s")
-    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))
+    encode_corpus(_passages(2), Target.open(url), session, EncodeOptions(codec="float32"))
     changed = [Passage("p1", "Title 1", "Completely different text now.", source="c.jsonl", line=2)]
     with pytest.raises(CorpusError, match=r"c\.jsonl:2: passage 'p1' is already in the store"):
-        encode_corpus(changed, url, session, EncodeOptions(codec="float32"))
+        encode_corpus(changed, Target.open(url), session, EncodeOptions(codec="float32"))
 
 
 def test_codec_change_never_reuses_the_store(session, tmp_path):
     url = str(tmp_path / "s")
-    encode_corpus(_passages(1), url, session, EncodeOptions(codec="float32"))
+    encode_corpus(_passages(1), Target.open(url), session, EncodeOptions(codec="float32"))
     with pytest.raises(StoreMismatchError, match="codec"):
-        encode_corpus(_passages(1), url, session, EncodeOptions(codec="bf16"))
+        encode_corpus(_passages(1), Target.open(url), session, EncodeOptions(codec="bf16"))
 
 
 def test_long_passages_are_split_never_truncated(session):
@@ -88,7 +89,7 @@ def test_long_passages_are_split_never_truncated(session):
 
 def test_split_is_recorded_in_the_store(session, tmp_path):
     url = str(tmp_path / "s")
-    summary = encode_corpus([Passage("long", "T", " ".join(TEXTS * 2))], url, session,
+    summary = encode_corpus([Passage("long", "T", " ".join(TEXTS * 2))], Target.open(url), session,
                             EncodeOptions(codec="float32", max_passage_tokens=48))
     rows = CacheStore.open(url).rows()
     assert summary.chunks_split == len(rows) - 1 > 0
@@ -132,14 +133,14 @@ def test_sigkill_mid_encode_then_rerun_equals_uninterrupted(tiny_dirs, tmp_path)
 
 def test_store_with_own_caches_keeps_them_and_cannot_gain_them(session, tmp_path):
     url = str(tmp_path / "s")
-    encode_corpus(_passages(1), url, session, EncodeOptions(codec="float32", also_own_cache=True))
-    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))  # own caches written anyway
+    encode_corpus(_passages(1), Target.open(url), session, EncodeOptions(codec="float32", also_own_cache=True))
+    encode_corpus(_passages(2), Target.open(url), session, EncodeOptions(codec="float32"))  # own caches written anyway
     store = CacheStore.open(url)
     assert store.kinds == ("fused", "own") and len(store.read(["p1"], kind="own")) == 1
     plain = str(tmp_path / "plain")
-    encode_corpus(_passages(1), plain, session, EncodeOptions(codec="float32"))
+    encode_corpus(_passages(1), Target.open(plain), session, EncodeOptions(codec="float32"))
     with pytest.raises(StoreMismatchError, match="without own caches"):
-        encode_corpus(_passages(2), plain, session, EncodeOptions(codec="float32", also_own_cache=True))
+        encode_corpus(_passages(2), Target.open(plain), session, EncodeOptions(codec="float32", also_own_cache=True))
 
 
 def test_unknown_codec_fails_before_any_model_loads():
@@ -157,7 +158,7 @@ def test_one_encode_parses_the_store_once_and_reads_its_metadata_once(session, t
     from cachegraft_cli.store import location, store as store_mod
 
     url = str(tmp_path / "s")
-    encode_corpus(_passages(2), url, session, EncodeOptions(codec="float32"))
+    encode_corpus(_passages(2), Target.open(url), session, EncodeOptions(codec="float32"))
     parses, metas = [], []
     real_parse, real_meta = location.Location.from_url.__func__, store_mod.read_meta
 
@@ -190,7 +191,7 @@ def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(
 
     lossless, cal_file = str(tmp_path / "f32"), tmp_path / "cal.safetensors"
     corpus = _passages(90)
-    encode_corpus(corpus, lossless, session, EncodeOptions(codec="float32", batch_size=8))
+    encode_corpus(corpus, Target.open(lossless), session, EncodeOptions(codec="float32", batch_size=8))
     result = CliRunner().invoke(app, ["store", "calibrate", lossless, "--out", str(cal_file), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -199,8 +200,9 @@ def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(
     assert 0 < bits < 16 and report["ratio_to_raw_bf16"] == round(bits / 16, 4)
     url = str(tmp_path / "tc")
     options = EncodeOptions(codec="tc", batch_size=8, calibration=str(cal_file))
-    encode_corpus(corpus[:60], url, session, options)
-    encode_corpus(corpus, url, session, EncodeOptions(codec="tc", batch_size=8))  # an append: the store's own
+    encode_corpus(corpus[:60], Target.open(url), session, options)
+    encode_corpus(corpus, Target.open(url),
+                  session, EncodeOptions(codec="tc", batch_size=8))  # an append: the store's own
     store, reference = CacheStore.open(url), CacheStore.open(lossless)
     ids = [p.id for p in corpus]
     got, want = store.read(ids), reference.read(ids)
@@ -210,4 +212,4 @@ def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(
     assert info["codec_tables"]["sha256"] == report["sha256"] and store.verify()["ok"]
     assert info["ratio_to_raw_bf16"]["fused"] < reference.info()["ratio_to_raw_bf16"]["fused"] / 4
     with pytest.raises(UsageError, match="keeps the calibration it was made with"):
-        encode_corpus(_passages(2, 200), url, session, options)
+        encode_corpus(_passages(2, 200), Target.open(url), session, options)

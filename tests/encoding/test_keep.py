@@ -15,6 +15,7 @@ from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions
 from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 TEXTS = [
     "Harbor town was founded in 1820 by fishermen who built the first lighthouse on the northern cliffs.",
@@ -72,8 +73,9 @@ def test_kept_count():
 
 
 def test_keep_1_writes_the_unpruned_store_byte_for_byte(session, tmp_path):
-    plain = encode_corpus(_passages(5), str(tmp_path / "plain"), session, EncodeOptions(codec="bf16", batch_size=2))
-    kept = encode_corpus(_passages(5), str(tmp_path / "keep1"), session,
+    plain = encode_corpus(_passages(5), Target.open(str(tmp_path / "plain")),
+                                    session, EncodeOptions(codec="bf16", batch_size=2))
+    kept = encode_corpus(_passages(5), Target.open(str(tmp_path / "keep1")), session,
                          EncodeOptions(codec="bf16", batch_size=2, keep=1.0, keep_by="even"))
     assert plain.bytes == kept.bytes and kept.stored_tokens == kept.tokens
     a, b = _normalised_files(tmp_path / "plain"), _normalised_files(tmp_path / "keep1")
@@ -87,8 +89,9 @@ def test_keep_1_writes_the_unpruned_store_byte_for_byte(session, tmp_path):
 def test_pruned_cache_is_the_kept_slice_of_the_full_cache(session, tmp_path, by):
     full_url, pruned_url = str(tmp_path / "full"), str(tmp_path / f"pruned-{by}")
     options = dict(codec="float32", batch_size=5, also_own_cache=True)
-    encode_corpus(_passages(5), full_url, session, EncodeOptions(**options))
-    summary = encode_corpus(_passages(5), pruned_url, session, EncodeOptions(**options, keep=0.5, keep_by=by))
+    encode_corpus(_passages(5), Target.open(full_url), session, EncodeOptions(**options))
+    summary = encode_corpus(_passages(5), Target.open(pruned_url),
+                                      session, EncodeOptions(**options, keep=0.5, keep_by=by))
     full, pruned = CacheStore.open(full_url), CacheStore.open(pruned_url)
     assert pruned.keep == {"ratio": 0.5, "by": by}
     ids = [f"p{i}" for i in range(5)]
@@ -108,25 +111,25 @@ def test_attention_keeps_other_tokens_than_even_spacing(session, tmp_path):
     chosen = {}
     for by in ("attention", "even"):
         url = str(tmp_path / by)
-        encode_corpus(_passages(5), url, session, EncodeOptions(codec="bf16", keep=0.5, keep_by=by))
+        encode_corpus(_passages(5), Target.open(url), session, EncodeOptions(codec="bf16", keep=0.5, keep_by=by))
         chosen[by] = [p.tolist() for p, _ in CacheStore.open(url).positions([f"p{i}" for i in range(5)])]
     assert chosen["attention"] != chosen["even"]
 
 
 def test_append_uses_the_store_keep_and_refuses_another(session, tmp_path):
     url = str(tmp_path / "s")
-    encode_corpus(_passages(2), url, session, EncodeOptions(codec="bf16", keep=0.5, keep_by="even"))
-    more = encode_corpus(_passages(4), url, session, EncodeOptions())  # no --keep: the store's
+    encode_corpus(_passages(2), Target.open(url), session, EncodeOptions(codec="bf16", keep=0.5, keep_by="even"))
+    more = encode_corpus(_passages(4), Target.open(url), session, EncodeOptions())  # no --keep: the store's
     store = CacheStore.open(url)
     assert more.added == 2 and all(t.pruned for t in store.tables) and len(store.tables) == 2
     for keep, by in ((1.0, None), (0.25, None), (None, "norm")):
         with pytest.raises(StoreMismatchError, match="--keep 0.5 \\(by even\\)") as err:
-            encode_corpus(_passages(6), url, session, EncodeOptions(keep=keep, keep_by=by))
+            encode_corpus(_passages(6), Target.open(url), session, EncodeOptions(keep=keep, keep_by=by))
         assert "--keep 0.5 --keep-by even" in err.value.hint
     plain = str(tmp_path / "plain")
-    encode_corpus(_passages(1), plain, session, EncodeOptions(codec="bf16"))
+    encode_corpus(_passages(1), Target.open(plain), session, EncodeOptions(codec="bf16"))
     with pytest.raises(StoreMismatchError, match="every token") as err:
-        encode_corpus(_passages(2), plain, session, EncodeOptions(keep=0.5))
+        encode_corpus(_passages(2), Target.open(plain), session, EncodeOptions(keep=0.5))
     assert "Drop --keep" in err.value.hint
 
 
@@ -177,7 +180,7 @@ def test_compaction_and_repair_keep_a_pruned_store_readable(session, tmp_path):
 
     url = str(tmp_path / "s")
     for n in (2, 4, 6):  # three segments
-        encode_corpus(_passages(n), url, session, EncodeOptions(codec="float32", keep=0.5, keep_by="even"))
+        encode_corpus(_passages(n), Target.open(url), session, EncodeOptions(codec="float32", keep=0.5, keep_by="even"))
     before = CacheStore.open(url)
     ids = before.ids()
     caches = before.read(ids)

@@ -18,6 +18,7 @@ from cachegraft_cli.encoding.plan import EncodeOptions
 from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 TEXTS = [
     "Harbor town was founded in 1820 by fishermen who built the first lighthouse on the northern cliffs.",
@@ -75,7 +76,7 @@ def test_fusing_with_the_passage_as_its_own_donor_is_graft_bit_for_bit(tiny_dirs
 def test_the_store_records_the_control_and_holds_the_donors_fusion(tiny_dirs, fuser_dir, tmp_path):
     session = _session(tiny_dirs, fuser_dir)
     url = str(tmp_path / "mismatched")
-    encode_corpus(PASSAGES, url, session, EncodeOptions(codec="float32", mismatched_sharer=True))
+    encode_corpus(PASSAGES, Target.open(url), session, EncodeOptions(codec="float32", mismatched_sharer=True))
     store = CacheStore.open(url)
     assert store.identity["fuser"]["sharer_input"] == "mismatched"
     rows = {r.id: r for r in store.get_rows([p.id for p in PASSAGES])}
@@ -91,29 +92,29 @@ def test_the_store_records_the_control_and_holds_the_donors_fusion(tiny_dirs, fu
         assert np.array_equal(store.read([pid])[0], kvcache.to_token_major(kv.fused))
     # the same corpus gives the same donors, in any order
     again = str(tmp_path / "again")
-    encode_corpus(PASSAGES[::-1], again, session, EncodeOptions(codec="float32", mismatched_sharer=True))
+    encode_corpus(PASSAGES[::-1], Target.open(again), session, EncodeOptions(codec="float32", mismatched_sharer=True))
     assert {r.id: r.metadata["sharer_donor"] for r in CacheStore.open(again).get_rows(list(donors))} == donors
 
 
 def test_appends_keep_the_control_and_a_contrary_flag_is_refused(tiny_dirs, fuser_dir, tmp_path):
     session = _session(tiny_dirs, fuser_dir)
     url = str(tmp_path / "store")
-    encode_corpus(PASSAGES[:3], url, session, EncodeOptions(codec="float32", mismatched_sharer=True))
+    encode_corpus(PASSAGES[:3], Target.open(url), session, EncodeOptions(codec="float32", mismatched_sharer=True))
     more = [Passage("q1", "New", "Glaciers carve deep valleys over thousands of years."),
             Passage("q2", "Newer", "Bees dance to tell the hive where flowers are.")]
-    encode_corpus(more, url, session, EncodeOptions())  # the flag left out: the store's own
+    encode_corpus(more, Target.open(url), session, EncodeOptions())  # the flag left out: the store's own
     rows = CacheStore.open(url).get_rows(["q1", "q2"])
     assert {r.metadata["sharer_donor"] for r in rows} == {"q1", "q2"}  # donors among the appended passages
     with pytest.raises(StoreMismatchError, match="mismatched-sharer"):
-        encode_corpus([Passage("q3", "T", "Text.")], url, session, EncodeOptions(mismatched_sharer=False))
+        encode_corpus([Passage("q3", "T", "Text.")], Target.open(url), session, EncodeOptions(mismatched_sharer=False))
     fresh = _session(tiny_dirs, fuser_dir)
     with pytest.raises(UsageError, match="at least two passages"):  # one new passage: no donor, no model loaded
-        encode_corpus([Passage("q3", "T", "Text.")], url, fresh, EncodeOptions())
+        encode_corpus([Passage("q3", "T", "Text.")], Target.open(url), fresh, EncodeOptions())
     assert "receiver" not in fresh.__dict__ and "sharer" not in fresh.__dict__
     plain = str(tmp_path / "plain")
-    encode_corpus(PASSAGES[:2], plain, session, EncodeOptions(codec="float32"))
+    encode_corpus(PASSAGES[:2], Target.open(plain), session, EncodeOptions(codec="float32"))
     with pytest.raises(StoreMismatchError, match="made without --mismatched-sharer"):
-        encode_corpus(PASSAGES[2:], plain, session, EncodeOptions(mismatched_sharer=True))
+        encode_corpus(PASSAGES[2:], Target.open(plain), session, EncodeOptions(mismatched_sharer=True))
 
 
 def test_cli_system_checks_and_refusals_before_models_load(tiny_dirs, fuser_dir, tmp_path, capsys, monkeypatch):
@@ -146,7 +147,7 @@ def test_reencoding_lost_rows_uses_the_donors_and_notes_they_recorded(control, t
     session = _session(tiny_dirs, fuser_dir)
     url = tmp_path / "store"
     setting = {"mismatched_sharer": True} if control == "mismatched" else {"sharer_notes": 5}
-    encode_corpus(PASSAGES, str(url), session, EncodeOptions(codec="float32", commit_every=2, **setting))
+    encode_corpus(PASSAGES, Target.open(str(url)), session, EncodeOptions(codec="float32", commit_every=2, **setting))
     store = CacheStore.open(str(url))
     first = {pid: store.read([pid])[0] for pid in store.ids()}
     recorded = {r.id: dict(r.metadata) for r in store.get_rows(list(first))}

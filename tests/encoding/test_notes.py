@@ -14,6 +14,7 @@ from cachegraft_cli.errors import StoreMismatchError, UsageError
 from cachegraft_cli.lm import kvcache
 from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 PASSAGES = [
     Passage("harbor", "Harbor town", "Harbor town was founded in 1820 by fishermen who built the first lighthouse."),
@@ -30,7 +31,7 @@ def session(tiny_models, tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def notes_store(session, tmp_path_factory):
     url = str(tmp_path_factory.mktemp("notes") / "store")
-    summary = encode_corpus(PASSAGES, url, session, EncodeOptions(codec="float32", sharer_notes=6))
+    summary = encode_corpus(PASSAGES, Target.open(url), session, EncodeOptions(codec="float32", sharer_notes=6))
     return url, summary
 
 
@@ -61,10 +62,10 @@ def test_notes_are_the_same_every_time_and_a_rerun_adds_nothing(session, notes_s
     again = str(tmp_path / "again")
     assert len(session.notes_written) >= len(PASSAGES)  # the session keeps what its sharer wrote ...
     session.notes_written.clear()  # ... so forget it: the sharer writes them again, greedy
-    encode_corpus(PASSAGES, again, session, EncodeOptions(codec="float32", sharer_notes=6))
+    encode_corpus(PASSAGES, Target.open(again), session, EncodeOptions(codec="float32", sharer_notes=6))
     notes = lambda u: [r.metadata["sharer_notes"] for r in CacheStore.open(u).get_rows([p.id for p in PASSAGES])]  # noqa: E731
     assert notes(again) == notes(url)
-    rerun = encode_corpus(PASSAGES, url, session, EncodeOptions())
+    rerun = encode_corpus(PASSAGES, Target.open(url), session, EncodeOptions())
     assert rerun.added == 0 and rerun.skipped_existing == 3  # the content hashes are the passages' own
 
 
@@ -87,10 +88,10 @@ def test_text_reads_the_notes_and_retrieval_does_not_see_them(session, notes_sto
 def test_the_store_setting_is_kept_and_checked_before_models_load(session, notes_store, tiny_dirs, tmp_path):
     url, _ = notes_store
     with pytest.raises(StoreMismatchError, match="sharer-notes 6"):
-        encode_corpus([Passage("x", "X", "More text.")], url, session, EncodeOptions(sharer_notes=3))
+        encode_corpus([Passage("x", "X", "More text.")], Target.open(url), session, EncodeOptions(sharer_notes=3))
     closed = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
     with pytest.raises(UsageError, match="needs a sharer"):
-        encode_corpus(PASSAGES, str(tmp_path / "s"), closed, EncodeOptions(sharer_notes=4))
+        encode_corpus(PASSAGES, Target.open(str(tmp_path / "s")), closed, EncodeOptions(sharer_notes=4))
     assert "receiver" not in closed.__dict__
     with pytest.raises(UsageError, match="sharer_notes"):
         EncodeOptions(sharer_notes=-1)
@@ -111,7 +112,8 @@ def test_notes_with_a_mismatched_sharer_read_the_donors_passage_and_notes(sessio
 
     plain_url, _ = notes_store
     url = str(tmp_path / "control")
-    encode_corpus(PASSAGES, url, session, EncodeOptions(codec="float32", sharer_notes=6, mismatched_sharer=True))
+    encode_corpus(PASSAGES, Target.open(url),
+                  session, EncodeOptions(codec="float32", sharer_notes=6, mismatched_sharer=True))
     store, plain = CacheStore.open(url), CacheStore.open(plain_url)
     assert store.identity["notes"]["tokens"] == 6 and store.identity["fuser"]["sharer_input"] == "mismatched"
     rows = {r.id: r for r in store.get_rows([p.id for p in PASSAGES])}

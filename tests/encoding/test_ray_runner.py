@@ -22,6 +22,7 @@ from cachegraft_cli.encoding.ray.driver import RayOptions, encode_on_ray  # impo
 from cachegraft_cli.errors import StoreMismatchError
 from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore, segments
+from cachegraft_cli.store.target import Target
 
 pytest.importorskip("ray")
 
@@ -53,7 +54,7 @@ def choice(tiny_models, tiny_dirs, tmp_path_factory):
 def local_store(choice, tmp_path_factory):
     """The reference: the local runner's store of the whole corpus."""
     url = str(tmp_path_factory.mktemp("local") / "store")
-    summary = encode_corpus(_passages(N), url, ModelSession(choice), OPTIONS)
+    summary = encode_corpus(_passages(N), Target.open(url), ModelSession(choice), OPTIONS)
     assert summary.added == N and len(summary.segments) == 8
     return CacheStore.open(url)
 
@@ -79,14 +80,14 @@ def assert_same_as_local(url: str, local, n: int = N) -> CacheStore:
 
 def test_two_actors_make_the_local_runners_store(ray_cluster, choice, local_store, tmp_path):
     url = str(tmp_path / "ray")
-    summary = encode_on_ray(_passages(N), url, choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
+    summary = encode_on_ray(_passages(N), Target.open(url), choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
     assert summary.added == N and summary.tokens == local_store.info()["tokens"] and len(summary.segments) == 8
     store = assert_same_as_local(url, local_store)
     assert [s["name"] for s in store.segments] == summary.segments
     assert {s["run_info"]["engine"] for s in store.segments} == {"ray"}
     pids = {s["name"].rsplit("-", 2)[1] for s in store.segments}  # <time>-<host>-<pid>-<random>
     assert len(pids) == 2  # both actors wrote segments
-    again = encode_on_ray(_passages(N), url, choice, OPTIONS, RayOptions(actors=2))
+    again = encode_on_ray(_passages(N), Target.open(url), choice, OPTIONS, RayOptions(actors=2))
     assert again.added == 0 and again.skipped_existing == N and again.segments == []
 
 
@@ -101,22 +102,22 @@ def test_a_tc_store_on_ray_is_the_local_runners_with_the_drivers_calibration(ray
     cal_file.write_bytes(fit_from_store(local_store.loc.url, FitOptions())[0].to_bytes())
     options = EncodeOptions(codec="tc", batch_size=8, commit_every=25, calibration=str(cal_file))
     local, ray_url = str(tmp_path / "local"), str(tmp_path / "ray")
-    encode_corpus(_passages(50), local, ModelSession(choice), options)
-    encode_on_ray(_passages(50), ray_url, choice, options, RayOptions(actors=2, commit_seconds=0))
+    encode_corpus(_passages(50), Target.open(local), ModelSession(choice), options)
+    encode_on_ray(_passages(50), Target.open(ray_url), choice, options, RayOptions(actors=2, commit_seconds=0))
     a, b = CacheStore.open(local), CacheStore.open(ray_url)
     assert a.codec.params == b.codec.params and a.info()["codec_tables"] == b.info()["codec_tables"]
     ids = [f"p{i}" for i in range(50)]
     assert all(np.array_equal(x, y) for x, y in zip(a.read(ids), b.read(ids)))
-    encode_on_ray(_passages(60), ray_url, choice, replace(options, calibration=None), RayOptions(actors=1))
+    encode_on_ray(_passages(60), Target.open(ray_url), choice, replace(options, calibration=None), RayOptions(actors=1))
     assert len(CacheStore.open(ray_url)) == 60 and CacheStore.open(ray_url).verify()["ok"]
 
 
 def test_store_mismatches_are_refused(ray_cluster, choice, local_store):
     with pytest.raises(StoreMismatchError, match="codec"):  # found by the driver, before any actor starts
-        encode_on_ray(_passages(3), local_store.loc.url, choice, EncodeOptions(codec="int8"), RayOptions())
+        encode_on_ray(_passages(3), Target.open(local_store.loc.url), choice, EncodeOptions(codec="int8"), RayOptions())
     closed = ModelChoice(choice.receiver, None, "closed", device="cpu", dtype="float32")
     with pytest.raises(StoreMismatchError, match="sharer") as info:  # found by an actor, from the weights
-        encode_on_ray(_passages(N + 3), local_store.loc.url, closed, OPTIONS, RayOptions())
+        encode_on_ray(_passages(N + 3), Target.open(local_store.loc.url), closed, OPTIONS, RayOptions())
     assert "store info" in info.value.hint
     assert len(CacheStore.open(local_store.loc.url)) == N  # nothing written
 
@@ -125,7 +126,7 @@ def test_failed_tasks_are_retried_without_duplicates(ray_cluster, choice, local_
     from ray_support import FailTwice
 
     url, n = str(tmp_path / "ray"), 100  # four windows
-    summary = encode_on_ray(_passages(n), url, choice, OPTIONS, RayOptions(actors=2, commit_seconds=0),
+    summary = encode_on_ray(_passages(n), Target.open(url), choice, OPTIONS, RayOptions(actors=2, commit_seconds=0),
                             worker=FailTwice)
     assert os.path.exists(url + ".crashed") and os.path.exists(url + ".errored")  # both failures happened
     store = assert_same_as_local(url, local_store, n)
@@ -142,7 +143,7 @@ def _encode_cmd(corpus, store, choice, address):
     return [sys.executable, "-m", "cachegraft_cli", "encode", str(corpus), "--store", str(store),
             "--receiver", choice.receiver, "--sharer", choice.sharer, "--fuser", choice.fuser, "--device", "cpu",
             "--dtype", "float32", "--codec", OPTIONS.codec, "--batch-size", str(OPTIONS.batch_size),
-            "--commit-every", str(OPTIONS.commit_every), "--engine", "ray", "--address", address, "--actors", "2",
+            "--commit-every", str(OPTIONS.commit_every), "--runner", "ray", "--address", address, "--actors", "2",
             "--json"]
 
 
@@ -198,7 +199,8 @@ def test_s3_round_trip_encode_ask_compact(ray_cluster, choice, local_store, s3_s
     from cachegraft_cli.store.compact import CompactOptions, compact
 
     n = 75
-    summary = encode_on_ray(_passages(n), s3_store, choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
+    summary = encode_on_ray(_passages(n), Target.open(s3_store),
+                                      choice, OPTIONS, RayOptions(actors=2, commit_seconds=0))
     assert summary.added == n
     store = assert_same_as_local(s3_store, local_store, n)  # read back over S3, verify included
     questions = ["who built the lighthouse", "where was the treaty signed", "what does photosynthesis make"]

@@ -1,3 +1,4 @@
+
 """`encode --runner`: bad runner options fail at once, before the corpus is read or anything loads."""
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ def run(capsys, monkeypatch, *args):
     (["--runner", "spark"], 2, "unknown runner 'spark'"),
     (["--runner", "ray", "--address", "nonsense"], 2, "is not HOST:PORT"),
     (["--runner", "ray", "--gpus-per-actor", "1", "--device", "cpu"], 2, "asks for GPUs, but --device is cpu"),
-    (["--engine", "spark"], 2, "unknown runner 'spark'"),  # the deprecated name still reaches the same checks
 ])
 def test_bad_runner_options_fail_before_anything_loads(capsys, monkeypatch, tmp_path, args, code, message):
     missing = tmp_path / "no-such-corpus.jsonl"  # never read: the options fail first
@@ -95,17 +95,18 @@ def test_a_ray_encode_is_refused_by_a_held_lock_before_ray_starts(tmp_path, monk
     from cachegraft_cli.errors import StoreLockedError
     from cachegraft_cli.session import ModelChoice
     from cachegraft_cli.store.lock import lock_store
+    from cachegraft_cli.store.target import Target
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a Ray runtime was started"))
     store = tmp_path / "s"
     with lock_store(str(store), {"tool": "another writer"}):
         with pytest.raises(StoreLockedError, match="is being written by"):
-            encode_on_ray([Passage("p1", "", "some text")], str(store), ModelChoice("org/model", None, "closed"),
-                          EncodeOptions(), RayOptions())
+            encode_on_ray([Passage("p1", "", "some text")], Target.open(str(store)),
+                          ModelChoice("org/model", None, "closed"), EncodeOptions(), RayOptions())
     assert sorted(p.name for p in store.iterdir()) == ["writer.lock"]  # nothing created
 
 
-def test_the_deprecated_engine_flag_says_so(capsys, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "ray", None)
+def test_encode_has_no_engine_flag(capsys, monkeypatch, tmp_path):
+    """`--engine` names retrieval engines (`index`); encode's runner is `--runner` only."""
     got, err = run(capsys, monkeypatch, "encode", tmp_path / "c.jsonl", "--store", tmp_path / "s", "--engine", "ray")
-    assert got == 2 and "`encode --engine` is now `--runner`" in err and "needs Ray" in err
+    assert got == 2 and "--engine" in err and not (tmp_path / "s").exists()

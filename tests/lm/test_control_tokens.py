@@ -20,6 +20,7 @@ from cachegraft_cli.lm.plaintext import (
     plain_prompt_ids,
 )
 from cachegraft_cli.lm.template import PromptTemplate
+from cachegraft_cli.store.target import Target
 
 SLOT = "\x00CG_QUESTION\x00"  # the template's question slot (`lm.template`)
 NORMAL = [
@@ -333,7 +334,7 @@ def _encode(session, url: str) -> None:
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.retrieval.stored import build_store_index
 
-    encode_corpus([Passage(*p) for p in PASSAGES], url, session, EncodeOptions(codec="float32"))
+    encode_corpus([Passage(*p) for p in PASSAGES], Target.open(url), session, EncodeOptions(codec="float32"))
     build_store_index(url)
 
 

@@ -14,10 +14,12 @@ from cli_support import run_cli
 from faults import Cli, Faults, record
 
 from cachegraft_cli.store import CacheStore
+from cachegraft_cli.store.target import Target
 
 HOLDER = r"""
 import sys, time
 from cachegraft_cli.store.lock import lock_store
+from cachegraft_cli.store.target import Target
 lock = lock_store(sys.argv[1], {"tool": "test holder"})
 print("READY", flush=True)
 time.sleep(120)
@@ -90,17 +92,19 @@ def test_a_writer_plans_against_the_manifest_it_reads_after_the_lock(tiny_dirs, 
 
     url = str(tmp_path / "store")
     session = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
-    encode_corpus(read_corpus(_corpus(tmp_path / "a.jsonl", range(4))), url, session, EncodeOptions())
+    encode_corpus(read_corpus(_corpus(tmp_path / "a.jsonl", range(4))), Target.open(url), session, EncodeOptions())
     stale = CacheStore.open(url)  # B's view
     cli = Cli(tmp_path / "logs")
     code, run_a = cli.run("encode", _corpus(tmp_path / "b.jsonl", range(4, 10)), "--store", url, "--receiver",
                           tiny_dirs["receiver"], "--dtype", "float32")  # writer A appends p4..p9
     assert code == 0, run_a.stderr
     assert len(stale) == 4
-    summary = encode_corpus(read_corpus(_corpus(tmp_path / "c.jsonl", range(12))), url, session, EncodeOptions())
+    summary = encode_corpus(read_corpus(_corpus(tmp_path / "c.jsonl", range(12))), Target.open(url),
+                                                                            session, EncodeOptions())
     assert (summary.added, summary.skipped_existing) == (2, 10)
     with pytest.raises(CorpusError, match="'p5' is already in the store with different text"):
-        encode_corpus(read_corpus(_corpus(tmp_path / "d.jsonl", [5], text="changed")), url, session, EncodeOptions())
+        encode_corpus(read_corpus(_corpus(tmp_path / "d.jsonl", [5], text="changed")), Target.open(url),
+                                          session, EncodeOptions())
     with stale.writer({"test": "late writer"}):  # a writer brings its snapshot up to date under the lock
         assert len(stale) == 12
     fresh = CacheStore.open(url)

@@ -26,11 +26,17 @@ QUESTION = "who built the lighthouse?"
 NAN, INF = float("nan"), float("inf")
 
 
+def _rx(c):
+    """The tiny receiver as `cg.encode`'s models."""
+    return cg.Models(receiver=c["receiver"])
+
+
 @pytest.fixture(scope="module")
 def store(tiny_dirs, tmp_path_factory):
     """Two passages (the tiny receiver: 4 layers, float32), indexed."""
     path = tmp_path_factory.mktemp("hostile") / "store"
-    cg.encode(PASSAGES, path, receiver=str(tiny_dirs["receiver"]), dtype="float32", codec="float32")
+    cg.encode(PASSAGES, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"),
+              options=cg.EncodeOptions(codec="float32"))
     cg.index(path)
     return path
 
@@ -83,48 +89,53 @@ HOSTILE = [
     ("many-batch-negative", lambda c: cg.ask_many([QUESTION], c["store"], batch_size=-1), UsageError),
     ("many-bytes", lambda c: cg.ask_many(b"who?", c["store"]), UsageError),
     # cg.encode: arguments
-    ("encode-nul-store", lambda c: cg.encode(PASSAGES, "a\x00b", receiver=c["receiver"]), UsageError),
-    ("encode-nul-corpus", lambda c: cg.encode("a\x00b.jsonl", _new(c), receiver=c["receiver"]), UsageError),
-    ("encode-surrogate-receiver", lambda c: cg.encode(PASSAGES, _new(c), receiver="\udcff"), UsageError),
-    ("encode-nul-instruction", lambda c: cg.encode(PASSAGES, _new(c), receiver=c["receiver"], instruction="\x00"),
+    ("encode-nul-store", lambda c: cg.encode(PASSAGES, "a\x00b", models=_rx(c)), UsageError),
+    ("encode-nul-corpus", lambda c: cg.encode("a\x00b.jsonl", _new(c), models=_rx(c)), UsageError),
+    ("encode-surrogate-receiver", lambda c: cg.encode(PASSAGES, _new(c), models=cg.Models(receiver="\udcff")),
      UsageError),
-    ("encode-batch-nan", lambda c: cg.encode(PASSAGES, _new(c), receiver=c["receiver"], batch_size=NAN), UsageError),
-    ("encode-keep-nan", lambda c: cg.encode(PASSAGES, _new(c), receiver=c["receiver"], keep=NAN), UsageError),
-    ("encode-max-tokens-huge", lambda c: cg.encode(PASSAGES, _new(c), receiver=c["receiver"],
-                                                   max_passage_tokens=10**30), UsageError),
-    ("encode-options-class", lambda c: cg.encode(PASSAGES, _new(c), receiver=c["receiver"], options=cg.EncodeOptions),
+    ("encode-nul-instruction", lambda c: cg.encode(PASSAGES, _new(c), models=cg.Models(receiver=c["receiver"],
+                                                                                        instruction="\x00")),
+     UsageError),
+    ("encode-batch-nan", lambda c: cg.encode(PASSAGES, _new(c), models=_rx(c),
+                                             options=cg.EncodeOptions(batch_size=NAN)),
+     UsageError),
+    ("encode-keep-nan", lambda c: cg.encode(PASSAGES, _new(c), models=_rx(c), options=cg.EncodeOptions(keep=NAN)),
+     UsageError),
+    ("encode-max-tokens-huge", lambda c: cg.encode(PASSAGES, _new(c), models=_rx(c),
+                                                   options=cg.EncodeOptions(max_passage_tokens=10**30)), UsageError),
+    ("encode-options-class", lambda c: cg.encode(PASSAGES, _new(c), models=_rx(c), options=cg.EncodeOptions),
      UsageError),
     # cg.encode: passages
-    ("encode-surrogate-text", lambda c: cg.encode(_meta(text="x \ud800 y"), _new(c), receiver=c["receiver"]),
+    ("encode-surrogate-text", lambda c: cg.encode(_meta(text="x \ud800 y"), _new(c), models=_rx(c)),
      CorpusError),
-    ("encode-surrogate-title", lambda c: cg.encode(_meta(title="\udcff"), _new(c), receiver=c["receiver"]),
+    ("encode-surrogate-title", lambda c: cg.encode(_meta(title="\udcff"), _new(c), models=_rx(c)),
      CorpusError),
-    ("encode-surrogate-id", lambda c: cg.encode(_meta(id="\udcff"), _new(c), receiver=c["receiver"]), CorpusError),
-    ("encode-bytes-text", lambda c: cg.encode(_meta(text=b"bytes"), _new(c), receiver=c["receiver"]), CorpusError),
+    ("encode-surrogate-id", lambda c: cg.encode(_meta(id="\udcff"), _new(c), models=_rx(c)), CorpusError),
+    ("encode-bytes-text", lambda c: cg.encode(_meta(text=b"bytes"), _new(c), models=_rx(c)), CorpusError),
     ("encode-passage-bytes-text", lambda c: cg.encode([cg.Passage("a", "T", b"bytes")], _new(c),
-                                                      receiver=c["receiver"]), CorpusError),
+                                                      models=_rx(c)), CorpusError),
     ("encode-passage-nul-id", lambda c: cg.encode([cg.Passage("a\x00b", "T", "text")], _new(c),
-                                                  receiver=c["receiver"]), CorpusError),
+                                                  models=_rx(c)), CorpusError),
     ("encode-passage-list-title", lambda c: cg.encode([cg.Passage("a", ["T"], "text")], _new(c),
-                                                      receiver=c["receiver"]), CorpusError),
+                                                      models=_rx(c)), CorpusError),
     ("encode-passage-list-metadata", lambda c: cg.encode([cg.Passage("a", "T", "text", [1])], _new(c),
-                                                         receiver=c["receiver"]), CorpusError),
-    ("encode-list-title", lambda c: cg.encode(_meta(title=["a", "b"]), _new(c), receiver=c["receiver"]), CorpusError),
-    ("encode-dict-id", lambda c: cg.encode(_meta(id={"x": 1}), _new(c), receiver=c["receiver"]), CorpusError),
-    ("encode-set-metadata", lambda c: cg.encode(_meta(tags={1, 2}), _new(c), receiver=c["receiver"]), CorpusError),
-    ("encode-object-metadata", lambda c: cg.encode(_meta(owner=object()), _new(c), receiver=c["receiver"]),
+                                                         models=_rx(c)), CorpusError),
+    ("encode-list-title", lambda c: cg.encode(_meta(title=["a", "b"]), _new(c), models=_rx(c)), CorpusError),
+    ("encode-dict-id", lambda c: cg.encode(_meta(id={"x": 1}), _new(c), models=_rx(c)), CorpusError),
+    ("encode-set-metadata", lambda c: cg.encode(_meta(tags={1, 2}), _new(c), models=_rx(c)), CorpusError),
+    ("encode-object-metadata", lambda c: cg.encode(_meta(owner=object()), _new(c), models=_rx(c)),
      CorpusError),
-    ("encode-nan-metadata", lambda c: cg.encode(_meta(score=NAN), _new(c), receiver=c["receiver"]), CorpusError),
+    ("encode-nan-metadata", lambda c: cg.encode(_meta(score=NAN), _new(c), models=_rx(c)), CorpusError),
     ("encode-inf-nested-metadata", lambda c: cg.encode(_meta(scores={"a": [1.0, -INF]}), _new(c),
-                                                       receiver=c["receiver"]), CorpusError),
+                                                       models=_rx(c)), CorpusError),
     ("encode-int-key-metadata", lambda c: cg.encode([{"id": "a", "text": "x y", 3: "three"}], _new(c),
-                                                    receiver=c["receiver"]), CorpusError),
-    ("encode-cyclic-metadata", lambda c: cg.encode(_meta(loop=_cycle()), _new(c), receiver=c["receiver"]),
+                                                    models=_rx(c)), CorpusError),
+    ("encode-cyclic-metadata", lambda c: cg.encode(_meta(loop=_cycle()), _new(c), models=_rx(c)),
      CorpusError),
-    ("encode-surrogate-metadata", lambda c: cg.encode(_meta(note="\ud800"), _new(c), receiver=c["receiver"]),
+    ("encode-surrogate-metadata", lambda c: cg.encode(_meta(note="\ud800"), _new(c), models=_rx(c)),
      CorpusError),
-    ("encode-ints-as-records", lambda c: cg.encode(iter([1, 2]), _new(c), receiver=c["receiver"]), CorpusError),
-    ("encode-strings-as-records", lambda c: cg.encode(["just text"], _new(c), receiver=c["receiver"]), CorpusError),
+    ("encode-ints-as-records", lambda c: cg.encode(iter([1, 2]), _new(c), models=_rx(c)), CorpusError),
+    ("encode-strings-as-records", lambda c: cg.encode(["just text"], _new(c), models=_rx(c)), CorpusError),
     # cg.index
     ("index-nul-store", lambda c: cg.index("a\x00b"), UsageError),
     ("index-nul-embedder", lambda c: cg.index(c["store"], kind="dense", embedder="x\x00y"), UsageError),
@@ -197,7 +208,7 @@ def test_the_hostile_table_is_large_and_covers_every_entry_point():
 
 def test_a_nul_in_a_path_is_a_usage_error(refused):
     for name, fn in (("open", lambda c: cg.open_store("a\x00b")), ("ask", lambda c: cg.ask(QUESTION, "a\x00b")),
-                     ("encode", lambda c: cg.encode(PASSAGES, "a\x00b", receiver=c["receiver"]))):
+                     ("encode", lambda c: cg.encode(PASSAGES, "a\x00b", models=_rx(c)))):
         error = refused(name, fn)
         assert isinstance(error, UsageError) and "NUL" in error.message and "store" in error.message, error
 
@@ -207,8 +218,8 @@ def test_lone_surrogates_in_questions_and_passages_are_refused(refused):
                      ("store.ask", lambda c: cg.open_store(c["store"]).ask("\udcff\udcfe"))):
         error = refused(name, fn)
         assert isinstance(error, UsageError) and "lone surrogate" in error.message, error
-    for name, fn in (("text", lambda c: cg.encode(_meta(text="a \ud800"), _new(c), receiver=c["receiver"])),
-                     ("title", lambda c: cg.encode(_meta(title="\ud800"), _new(c), receiver=c["receiver"])),
+    for name, fn in (("text", lambda c: cg.encode(_meta(text="a \ud800"), _new(c), models=_rx(c))),
+                     ("title", lambda c: cg.encode(_meta(title="\ud800"), _new(c), models=_rx(c))),
                      ("store.encode", lambda c: cg.open_store(c["store"]).encode(_meta(text="\udc80")))):
         error = refused(name, fn)
         assert isinstance(error, CorpusError) and "[0]: not UTF-8" in error.message, error
@@ -218,8 +229,8 @@ def test_lone_surrogates_in_questions_and_passages_are_refused(refused):
 def test_bytes_where_text_is_expected_are_refused(refused):
     error = refused("question", lambda c: cg.ask(b"who?", c["store"]))
     assert isinstance(error, UsageError) and "question must be a string" in error.message
-    for fn in (lambda c: cg.encode(_meta(text=b"x"), _new(c), receiver=c["receiver"]),
-               lambda c: cg.encode([cg.Passage("a", "T", b"x")], _new(c), receiver=c["receiver"])):
+    for fn in (lambda c: cg.encode(_meta(text=b"x"), _new(c), models=_rx(c)),
+               lambda c: cg.encode([cg.Passage("a", "T", b"x")], _new(c), models=_rx(c))):
         error = refused("passage text", fn)
         assert isinstance(error, CorpusError) and "is a bytes, not a string" in error.message, error
 
@@ -231,20 +242,20 @@ def test_bytes_where_text_is_expected_are_refused(refused):
 def test_metadata_json_cannot_hold_is_refused_before_the_store_exists(value, words, refused):
     """A set or an object used to fail after the models loaded, leaving an empty store behind;
     a NaN was written as a bare `NaN` (not JSON). Each is refused naming its key."""
-    error = refused("metadata", lambda c: cg.encode(_meta(tags=value), _new(c), receiver=c["receiver"]))
+    error = refused("metadata", lambda c: cg.encode(_meta(tags=value), _new(c), models=_rx(c)))
     assert isinstance(error, CorpusError) and "bad metadata" in error.message and words in error.message, error
     assert "passage 'a'" in error.message
 
 
 def test_a_title_must_be_a_string(refused, tmp_path_factory):
     """A list title was stored as its repr ("['a', 'b']"), from the API and from corpus files."""
-    error = refused("api", lambda c: cg.encode(_meta(title=["a", "b"]), _new(c), receiver=c["receiver"]))
+    error = refused("api", lambda c: cg.encode(_meta(title=["a", "b"]), _new(c), models=_rx(c)))
     assert isinstance(error, CorpusError)
     assert "[0]: bad title (passage 'a': field 'title' is a list, not a string)" in error.message
     corpus = tmp_path_factory.mktemp("titles") / "titles.jsonl"
     corpus.write_text(json.dumps({"id": "ok", "text": "fine"}) + "\n" +
                       json.dumps({"id": "p2", "title": ["x"], "text": "y"}) + "\n")
-    error = refused("file", lambda c: cg.encode(corpus, _new(c), receiver=c["receiver"]))
+    error = refused("file", lambda c: cg.encode(corpus, _new(c), models=_rx(c)))
     assert isinstance(error, CorpusError) and f"{corpus}:2: bad title (passage 'p2'" in error.message, error
 
 
@@ -346,7 +357,7 @@ def test_an_append_naming_another_receiver_is_refused_before_it_loads(store, tin
     before = _snapshot(store)
     other = str(tiny_dirs["sharer_same"])
     with pytest.raises(StoreMismatchError) as info:
-        cg.encode([{"id": "more", "text": "Photosynthesis makes sugar."}], store, receiver=other)
+        cg.encode([{"id": "more", "text": "Photosynthesis makes sugar."}], store, models=cg.Models(receiver=other))
     assert f"was encoded with receiver {tiny_dirs['receiver']}, but --receiver names {other}" in info.value.message
     assert "Leave out --receiver" in info.value.hint
     assert _snapshot(store) == before
@@ -356,7 +367,7 @@ def test_an_append_naming_the_stores_own_models_still_works(store, tiny_dirs, tm
     copy = tmp_path / "copy"
     shutil.copytree(store, copy)
     summary = cg.encode([{"id": "more", "text": "Photosynthesis makes sugar."}], copy,
-                        receiver=str(tiny_dirs["receiver"]), fuser="none")
+                        models=cg.Models(receiver=str(tiny_dirs["receiver"]), fuser="none"))
     assert summary.added == 1
 
 
@@ -366,7 +377,7 @@ def test_stdin_corpus_with_lone_surrogate_escapes_names_the_line(tiny_dirs, tmp_
     lines = [json.dumps({"id": "a", "text": "fine"}), '{"id": "b", "text": "bad \\ud800 escape"}']
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
     with pytest.raises(CorpusError) as info:
-        cg.encode("-", tmp_path / "s", receiver=str(tiny_dirs["receiver"]))
+        cg.encode("-", tmp_path / "s", models=cg.Models(receiver=str(tiny_dirs["receiver"])))
     assert info.value.message.startswith("<stdin>:2: not UTF-8 (passage 'b'"), info.value
     assert not (tmp_path / "s").exists()
 

@@ -1,3 +1,4 @@
+
 """Security: checkpoints never run code, remote code only with the flag, input data never
 becomes a path, no pickle in a store or an index, credentials never shown."""
 
@@ -105,6 +106,7 @@ def test_passage_ids_never_become_paths(tiny_dirs, tmp_path):
     from cachegraft_cli.encoding.plan import EncodeOptions
     from cachegraft_cli.session import ModelChoice, ModelSession
     from cachegraft_cli.store import CacheStore
+    from cachegraft_cli.store.target import Target
 
     nasty = ["../../escape", "/etc/passwd", "a/../../b", "..", "C:\\windows\\x", "~root/x", "seg/../../../z",
              "zarr.json", "manifest.json", "segments"]
@@ -112,7 +114,8 @@ def test_passage_ids_never_become_paths(tiny_dirs, tmp_path):
     (tmp_path / "deep").mkdir()
     outside = sorted(p for p in tmp_path.rglob("*"))
     session = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
-    encode_corpus([Passage(pid, "t", f"text number {i}") for i, pid in enumerate(nasty)], str(store), session,
+    encode_corpus([Passage(pid, "t", f"text number {i}") for i, pid in enumerate(nasty)], Target.open(str(store)),
+                                                                                 session,
                   EncodeOptions())
     after = sorted(p for p in tmp_path.rglob("*") if store not in p.parents and p != store)
     assert after == outside  # nothing was created outside the store
@@ -130,10 +133,11 @@ def test_no_pickle_anywhere_in_a_store_or_its_index(tiny_dirs, tmp_path):
     from cachegraft_cli.retrieval.stored import build_store_index
     from cachegraft_cli.session import ModelChoice, ModelSession
     from cachegraft_cli.store.packed import unpack_arrays
+    from cachegraft_cli.store.target import Target
 
     store = tmp_path / "store"
     session = ModelSession(ModelChoice(str(tiny_dirs["receiver"]), None, "closed", device="cpu", dtype="float32"))
-    encode_corpus([Passage(f"p{i}", "t", f"harbor text {i}") for i in range(5)], str(store), session,
+    encode_corpus([Passage(f"p{i}", "t", f"harbor text {i}") for i in range(5)], Target.open(str(store)), session,
                   EncodeOptions(codec="int4", also_own_cache=True))
     build_store_index(str(store))
     files = [p for p in store.rglob("*") if p.is_file()]

@@ -5,13 +5,14 @@ check the corpus, split long passages, skip what the store holds (same id,
 same content hash), cut the rest into commit windows. Only a tokenizer loads
 here, so the driver can be a CPU-only head node. Then:
 
-1. the driver takes the store's writer lock for the whole job, before anything
-   loads or is written (a second writer is refused at once);
+1. the driver takes the store's writer lock for the whole job through
+   `Target.locked`, as the local runner does, before anything loads or is
+   written (a second writer is refused at once); under it an existing store is
+   recovered (`store.recover.recover`: segments of killed jobs deleted, a local
+   writer's committed ones adopted);
 2. a missing store is created by one Ray task where the models load (prefix
-   cache and identity exactly as `encode` makes them); an existing one is
-   recovered as every writer recovers it (`store.recover.recover`: segments of
-   killed jobs deleted, a local writer's committed ones adopted), and the plan
-   is made against the manifest as it is under the lock;
+   cache and identity exactly as `encode` makes them), and the plan is made
+   against the manifest as it is under the lock;
 3. the windows become a Ray dataset, one block per window, and `map_batches`
    runs `FuseWriter` on an actor pool: each actor loads the models once and
    writes each window as one complete, unlisted segment (`SegmentWriter`);
@@ -42,8 +43,8 @@ from cachegraft_cli.encoding import calibration
 from cachegraft_cli.encoding.plan import Chunk, EncodeOptions, EncodeSummary, commit_windows, plan_chunks
 from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
-from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, StoreNotFoundError, UsageError
-from cachegraft_cli.session import ModelChoice, check_kinds
+from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, UsageError
+from cachegraft_cli.session import ModelChoice
 from cachegraft_cli.store.codecs import DEFAULT_CODEC
 from cachegraft_cli.store.target import Target
 
@@ -90,7 +91,7 @@ def require_ray():
 
 def encode_on_ray(
     passages: Iterable[Passage],
-    store_url: str | Target,
+    target: Target,
     choice: ModelChoice,
     options: EncodeOptions,
     ray_options: RayOptions,
@@ -98,15 +99,13 @@ def encode_on_ray(
     worker: type | None = None,
     planned: Callable[[int], None] | None = None,
 ) -> EncodeSummary:
-    """Encode passages into `store_url` (a URL, or the `Target` the caller opened) on a Ray cluster
+    """Encode passages into `target` (the store the caller opened, checked here once) on a Ray cluster
     (`worker`: the actor class, for tests; `planned(n)`: how many chunks will be encoded, once the
     plan under the lock knows it)."""
     from cachegraft_cli.encoding.ray.worker import FuseWriter
-    from cachegraft_cli.store.lock import lock_store
 
     ray = require_ray()
     check_devices(choice.device, ray_options)
-    target = Target.open(store_url)
     target.check(options.codec or DEFAULT_CODEC, options.kinds, options.keep_for(target.keep),
                  options.compressor)  # before the cluster
     # a new store's calibration is read and checked here, once: the set-up task gets it whole
@@ -117,7 +116,7 @@ def encode_on_ray(
                          "Encode a pruned store with --runner local.")
     start = time.perf_counter()
     # The lock first: a second writer is refused at once, before a Ray runtime starts or a model loads.
-    with lock_store(target.loc, {"tool": "cachegraft encode", "engine": "ray"}):
+    with target.locked({"tool": "cachegraft encode", "engine": "ray"}):  # recovered under it
         with _connected(ray, ray_options), _data_context(ray_options):
             store = _open_or_create(ray, choice, target, options, ray_options, params)
             template = driver_template(choice, store, options)
@@ -221,15 +220,11 @@ def _data_context(ray_options: RayOptions):
 
 def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOptions, ray_options: RayOptions,
                     codec_params: dict | None = None):
-    """The store; a missing one is made by a task where the models load (the driver loads none)."""
+    """The store (one another writer made before the lock was taken is opened by `Target.locked`);
+    a missing one is made by a task where the models load (the driver loads none)."""
     from cachegraft_cli.encoding.ray.worker import create_store
     from cachegraft_cli.store import CacheStore
 
-    if target.store is None:
-        try:
-            target.store = CacheStore.open(target.loc)  # another writer made it before we took the lock
-        except StoreNotFoundError:
-            pass
     if target.store is None:
         url = target.loc.raw_url or target.loc.url  # a relative path means the driver's directory, on every node
         task = ray.remote(max_calls=1, num_cpus=ray_options.cpus_per_actor, num_gpus=ray_options.gpus_per_actor)
@@ -237,7 +232,6 @@ def _open_or_create(ray, choice: ModelChoice, target: Target, options: EncodeOpt
                                                                    options.also_own_cache, options.compressor,
                                                                    codec_params)))
         target.store = CacheStore.open(target.loc)
-    check_kinds(target.store, options.also_own_cache)
     return target.store
 
 
@@ -260,10 +254,8 @@ def driver_template(choice: ModelChoice, store, options: EncodeOptions):
 
 def _run_locked(ray, passages, store, template, choice, options, ray_options, progress, worker,
                 planned) -> EncodeSummary:
-    """Under the driver's writer lock (held by the caller for the whole job): recover, plan, fuse."""
-    from cachegraft_cli.store.recover import recover
-
-    recover(store)  # the snapshot under the lock: garbage out, a local writer's committed segments in
+    """Under the driver's writer lock (held, and the store recovered, by the caller for the whole
+    job): plan, fuse."""
     summary = EncodeSummary(store=store.loc.url, fuser=choice.fuser or "closed")
     windows = list(commit_windows(plan_chunks(passages, store.content_hashes(), template, options, summary), options))
     if planned:

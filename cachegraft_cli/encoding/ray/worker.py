@@ -21,8 +21,10 @@ def create_store(choice: ModelChoice, store_url: str, codec: str, also_own_cache
                  compressor: str | None = None, codec_params: dict | None = None) -> dict | None:
     """Make the store (prefix cache, identity) exactly as the local runner does; runs where the models can load.
     Our own errors come back as data (`error_record`), not raised: Ray would wrap them."""
+    from cachegraft_cli.store.target import Target
+
     try:
-        ModelSession(choice).open_or_create_store(store_url, codec, also_own_cache, compressor=compressor,
+        ModelSession(choice).open_or_create_store(Target.open(store_url), codec, also_own_cache, compressor=compressor,
                                                   codec_params=codec_params)
     except CacheGraftError as exc:
         return error_record(exc)
