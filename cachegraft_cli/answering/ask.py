@@ -253,8 +253,9 @@ class Asker:
         for i in range(0, len(questions), batch_size):
             chunk = questions[i : i + batch_size]
             t0 = time.perf_counter()
-            plans = self._plan_many(chunk, options)
-            t_retrieve = time.perf_counter() + sum(p.seconds for p in plans)
+            plans, ahead = self._plan_many(chunk, options)
+            t0 -= ahead  # the plans `check_fits` made retrieved then: that time counts as if it were now
+            t_retrieve = time.perf_counter()
             prompts, loads = [], []
             for plan in plans:
                 start = time.perf_counter()
@@ -274,17 +275,15 @@ class Asker:
                 results.append(_result(q, gen, prompt, plan.hits, plan.rows, options, timings))
         return results
 
-    def _plan_many(self, questions: list[str], options: AskOptions) -> list[PromptPlan]:
-        """The questions' plans: those `check_fits` made, the others retrieved (and planned) now."""
+    def _plan_many(self, questions: list[str], options: AskOptions) -> tuple[list[PromptPlan], float]:
+        """The questions' plans: those `check_fits` made (and the seconds they took then), the
+        others retrieved and planned now."""
         plans = [self._planned.get(_plan_key(q, options)) for q in questions]
+        ahead = sum(p.seconds for p in plans if p is not None)
         todo = [q for q, p in zip(questions, plans) if p is None]
-        if not todo:
-            return [p for p in plans if p is not None]
-        t0 = time.perf_counter()
-        hit_lists = iter(self._retrieve_many(todo, options))
-        seconds = (time.perf_counter() - t0) / len(todo)
-        made = {q: replace(self.plan(q, hits, options), seconds=seconds) for q, hits in zip(todo, hit_lists)}
-        return [p if p is not None else made[q] for q, p in zip(questions, plans)]
+        hit_lists = self._retrieve_many(todo, options) if todo else []
+        made = {q: self.plan(q, hits, options) for q, hits in zip(todo, hit_lists)}
+        return [p if p is not None else made[q] for q, p in zip(questions, plans)], ahead
 
     def _retrieve_many(self, questions: list[str], options: AskOptions):
         if options.system == "closed":
