@@ -111,11 +111,14 @@ def ask_options(options: AskOptions | None = None, **settings: Unpack[AskSetting
 class Store:
     """A cache store to ask (and append to). Models load on first use and stay loaded
     across questions; `warm()` loads them now. `sharer` names the model of the
-    `sharer-text` system when the store ran none; `device`/`dtype` override the defaults."""
+    `sharer-text` system when the store ran none; `device`/`dtype` override the defaults.
+
+    Every ask is checked here, once, before any model loads (`check_ask`): the questions,
+    the options against the store's metadata, the context window."""
 
     def __init__(self, path: str | Path, *, sharer: str | None = None, device: str | None = None,
                  dtype: str | None = None, index_kind: str | None = None, trust_remote_code: bool = False):
-        from cachegraft_cli.session import ModelChoice
+        from cachegraft_cli.session import ModelOverrides
         from cachegraft_cli.store import CacheStore
 
         self.path = checks.location("store", path)
@@ -125,18 +128,17 @@ class Store:
         checks.flag("trust_remote_code (--trust-remote-code)", trust_remote_code)
         CacheStore.check_exists(self.path)  # a missing store fails here, with its hint
         # device, dtype and a local sharer are checked now, before anything loads
-        self._overrides = ModelChoice("", sharer, None, device=device, dtype=dtype,
-                                      trust_remote_code=trust_remote_code).check()
-        self._asker: Asker | None = None
+        self._overrides = ModelOverrides(sharer, device, dtype, trust_remote_code).check()
+        self._opened: Asker | None = None
+        self._checked: tuple[AskOptions, set[str]] | None = None  # what `check_ask` passed last
 
-    @property
-    def asker(self) -> Asker:
+    def _asker(self) -> Asker:
         """The `answering.ask.Asker` holding this store's snapshot, index and loaded models."""
-        if self._asker is None:
+        if self._opened is None:
             from cachegraft_cli.answering.ask import Asker
 
-            self._asker = Asker(self.path, self._overrides, self._index_kind)
-        return self._asker
+            self._opened = Asker(self.path, self._overrides, self._index_kind)
+        return self._opened
 
     def info(self) -> dict:
         """What `cachegraft store info --json` prints."""
@@ -146,43 +148,68 @@ class Store:
 
     def check(self, system: str = "graft") -> None:
         """Refuse a system the store cannot serve, reading only its metadata (no model loads)."""
-        self.asker.check_system(system)
+        self._asker().check_system(system)
+
+    def check_ask(self, questions: list[str], options: AskOptions | None = None, *,
+                  note: Callable[[str], None] | None = None) -> None:
+        """Refuse, before any model loads, what asking `questions` with `options` would refuse: a
+        question that is no text, options the store cannot serve, a prompt past the model's context
+        window. `note` hears what is worth saying first (a closed fuser, an index that misses
+        passages). Asking these questions with these options afterwards checks nothing again."""
+        checks.callback("note", note)
+        items = checks.listed("questions", questions, example='["Who founded the town?"]')
+        self._preflight(items, ask_options(options), note)
+
+    def _preflight(self, questions: list, opts: AskOptions, note: Callable[[str], None] | None = None,
+                   listed_as: str | None = None) -> None:
+        """`check_ask` on checked options; nothing to do for questions already checked with them.
+        `listed_as`: the questions are a list argument so named, a mistake is named by its index."""
+        from cachegraft_cli.answering.systems import check_question
+
+        done = self._checked
+        if done is not None and done[0] == opts and all(isinstance(q, str) and q in done[1] for q in questions):
+            return
+        for i, q in enumerate(questions):
+            if listed_as is None:
+                check_question(q)
+            else:
+                checks.text(f"{listed_as}[{i}]", q)
+        asker = self._asker()
+        asker.check_options(opts)  # the system and a blend layer, from the store's metadata
+        if note is not None:  # the notes read the index: only when someone listens
+            for line in asker.notes(opts.system):
+                note(line)
+        asker.check_fits(questions, opts)  # the context window, from metadata: before the models load
+        self._checked = (opts, set(questions))
 
     def warm(self, system: str = "graft") -> None:
         """Load the index and the models `system` needs now (later answers' timings exclude it)."""
         self.check(system)
-        self.asker.warm(system)
+        self._asker().warm(system)
 
     def ask(self, question: str, options: AskOptions | None = None, *,
             on_text: Callable[[str], None] | None = None, **settings: Unpack[AskSettings]) -> Answer:
         """Answer one question; `on_text` receives the answer's text as it is decoded."""
-        from cachegraft_cli.answering.systems import check_question
-
         opts = ask_options(options, **settings)
-        check_question(question)
         checks.callback("on_text", on_text)
-        self.asker.check_options(opts)  # the system and a blend layer, from the store's metadata
-        self.asker.check_fits([question], opts)  # the context window, from metadata: before the models load
-        self.warm(opts.system)
-        return Answer.from_result(self.asker.ask(question, opts, on_text=on_text))
+        self._preflight([question], opts)
+        asker = self._asker()
+        asker.warm(opts.system)
+        return Answer.from_result(asker.ask(question, opts, on_text=on_text))
 
     def ask_many(self, questions: Iterable[str], options: AskOptions | None = None, *, batch_size: int = 8,
                  **settings: Unpack[AskSettings]) -> list[Answer]:
         """Answer questions decoded together in batches of `batch_size`, in order (an empty list:
         no answers, nothing loaded). A question that retrieves no passage raises `NoPassagesError`."""
-        from cachegraft_cli.answering.systems import check_question
-
         opts = ask_options(options, **settings)
         check_batch_size(batch_size)
-        items = checks.texts("questions", questions, example='["Who founded the town?", "When?"]')
-        for q in items:
-            check_question(q)
+        items = checks.listed("questions", questions, example='["Who founded the town?", "When?"]')
         if not items:
             return []  # nothing to answer: no model needs loading
-        self.asker.check_options(opts)
-        self.asker.check_fits(items, opts)
-        self.warm(opts.system)
-        return [Answer.from_result(r) for r in self.asker.ask_many(items, opts, batch_size)]
+        self._preflight(items, opts, listed_as="questions")
+        asker = self._asker()
+        asker.warm(opts.system)
+        return [Answer.from_result(r) for r in asker.ask_many(items, opts, batch_size)]
 
     def encode(self, corpus: Corpus, *, options: EncodeOptions | None = None, source: CorpusSource | None = None,
                progress: Callable[[int, int], None] | None = None) -> EncodeSummary:
@@ -200,10 +227,11 @@ class Store:
 
     def _refresh(self) -> None:
         """A new snapshot of the store and its index, keeping the loaded models."""
-        if self._asker is not None:
+        if self._opened is not None:
             from cachegraft_cli.answering.ask import Asker
 
-            self._asker = Asker(self.path, self._overrides, self._index_kind, session=self._asker.session)
+            self._opened = Asker(self.path, self._overrides, self._index_kind, session=self._opened.session)
+            self._checked = None  # another snapshot: its checks are its own
 
     def __repr__(self) -> str:
         return f"Store({self.path!r})"
@@ -361,10 +389,7 @@ def ask(question: str, store: str | Path, options: AskOptions | None = None, *, 
         device: str | None = None, dtype: str | None = None, index_kind: str | None = None,
         trust_remote_code: bool = False, **settings: Unpack[AskSettings]) -> Answer:
     """Answer one question from a store (models loaded for this call only; keep a `Store` to reuse them)."""
-    from cachegraft_cli.answering.systems import check_question
-
-    ask_options(options, **settings)  # the options and the question first, as the CLI does
-    check_question(question)
+    ask_options(options, **settings)  # the options first, as the CLI does; the question in `Store.ask`
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                         trust_remote_code=trust_remote_code)
     return opened.ask(question, options, **settings)
@@ -377,7 +402,8 @@ def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | 
     """Answer many questions from a store, decoded in batches."""
     ask_options(options, **settings)
     check_batch_size(batch_size)
-    questions = checks.texts("questions", questions, example='["Who founded the town?", "When?"]')
+    # the list now, its items by the Store (once)
+    questions = checks.listed("questions", questions, example='["Who founded the town?", "When?"]')
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                         trust_remote_code=trust_remote_code)
     return opened.ask_many(questions, options, batch_size=batch_size, **settings)

@@ -101,13 +101,18 @@ def optional_text(name: str, value: Any) -> str | None:
 _LIST_EXAMPLE = '["first", "second"]'
 
 
-def texts(name: str, value: Any, example: str = "") -> list[str]:
-    """A list (or other iterable, read once) of non-empty strings. A single string, bytes or a
+def listed(name: str, value: Any, example: str = "") -> list:
+    """A list (or other iterable, read once), its items unchecked. A single string, bytes or a
     mapping is refused: iterating one would ask its characters or keys one by one."""
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
         raise UsageError(f"{name} must be a list of strings; got {_got(value)}.",
                          f"Pass a list, e.g. {example or _LIST_EXAMPLE}.")
-    items = list(value)
+    return list(value)
+
+
+def texts(name: str, value: Any, example: str = "") -> list[str]:
+    """A list (or other iterable, read once) of non-empty strings (`listed`)."""
+    items = listed(name, value, example)
     for i, item in enumerate(items):
         text(f"{name}[{i}]", item)
     return items

@@ -60,6 +60,28 @@ class ModelChoice:
         )
 
 
+@dataclass(frozen=True)
+class ModelOverrides:
+    """What a user may change about the models that ask a store: the store names the receiver
+    (and the sharer it ran, if any); `sharer` names the `sharer-text` model when it ran none."""
+
+    sharer: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+
+    def check(self) -> ModelOverrides:
+        """Device, dtype and a local sharer checked without loading anything (typed errors)."""
+        from cachegraft_cli.lm.models import check_device, check_dtype, resolve_source
+
+        check_device(self.device)
+        check_dtype(self.dtype)
+        sharer = _absolute(self.sharer)  # recorded and compared by absolute path, as `ModelChoice`'s
+        if sharer:
+            resolve_source(sharer)
+        return replace(self, sharer=sharer)
+
+
 def _absolute(spec: str | None) -> str | None:
     """An existing local path made absolute; hub ids, `pulled:`/`builtin:` names and `closed` as given."""
     from pathlib import Path
@@ -270,8 +292,10 @@ def check_named_models(store, choice: ModelChoice) -> None:
                                       f"store info {store.loc.url}`), or encode into a new --store.")
 
 
-def session_for_store(store, overrides: ModelChoice | None = None) -> ModelSession:
-    """A session that loads the receiver (and, on demand, the sharer) a store was made with."""
+def session_for_store(store, overrides: ModelOverrides | ModelChoice | None = None) -> ModelSession:
+    """A session that loads the receiver (and, on demand, the sharer) a store was made with.
+    `overrides` is read for its sharer, device, dtype and trust_remote_code only (a `ModelChoice`
+    is still taken for those fields)."""
     ident = store.identity
     choice = replace(stored_choice(ident), fuser=None, dtype=None)
     if overrides is not None:  # --sharer names the sharer-text model when the store ran none (closed fuser)

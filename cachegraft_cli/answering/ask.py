@@ -17,7 +17,7 @@ systems too.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable
 
@@ -28,18 +28,19 @@ from cachegraft_cli.answering.assembly import (
     in_prompt_order,
 )
 from cachegraft_cli.answering.options import AskOptions
-from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS, check_question
+from cachegraft_cli.answering.systems import CACHE_KIND, SYSTEMS
 from cachegraft_cli.errors import NoPassagesError, StoreMismatchError, UsageError
 from cachegraft_cli.lm.generation import Prompt, RowStreams
 
-__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker", "Prepared"]
+__all__ = ["SYSTEMS", "ORDERS", "SCHEMES", "DEFAULT_SCHEME", "AskOptions", "Asker", "Prepared", "PromptPlan"]
 
 
 class Asker:
     """Holds the store, the index and the models across questions (load once)."""
 
     def __init__(self, store_url: str, overrides=None, index_kind: str | None = None, session=None):
-        """`session` reuses already loaded models (checked against the store's receiver)."""
+        """`overrides`: a `session.ModelOverrides`; `session` reuses already loaded models (checked
+        against the store's receiver)."""
         from cachegraft_cli.session import session_for_store
         from cachegraft_cli.store import CacheStore
 
@@ -50,6 +51,7 @@ class Asker:
                                   f"Run `cachegraft encode CORPUS --store {store_url}` first.")
         self.session = session or session_for_store(self.store, overrides)
         self.index_kind = index_kind
+        self._planned: dict[tuple, PromptPlan] = {}  # `check_fits`' plans, spent when their question is answered
 
     @cached_property
     def index(self):
@@ -86,66 +88,94 @@ class Asker:
         check_system(self.store, system)
 
     def check_options(self, options: AskOptions) -> None:
-        """Refuse options this store cannot be asked with, from its metadata alone (no model loads):
-        the options themselves, the system (`check_system`) and, for a blend over stored caches,
-        a `blend_layer` the receiver has (the store's geometry counts its layers)."""
+        """Refuse checked `options` this store cannot be asked with, from its metadata alone (no
+        model loads): the system (`check_system`) and, for a blend over stored caches, a
+        `blend_layer` the receiver has (the store's geometry counts its layers)."""
         from cachegraft_cli.answering.assembly import check_blend_layer
 
-        options.check()
         self.check_system(options.system)
         if options.system in CACHE_KIND:
             check_blend_layer(options.assembly, self.store.identity["geometry"]["layers"])
 
+    def notes(self, system: str) -> list[str]:
+        """What is worth saying before asking with `system`: a closed fuser, an index that misses passages."""
+        from cachegraft_cli.retrieval.stored import coverage_note
+
+        out = []
+        if system == "graft" and self.store.identity.get("fuser") is None:
+            out.append("note: this store was encoded with the fuser closed, "
+                       "so `graft` answers from the receiver's own caches (the `cache` system).")
+        coverage = coverage_note(self.store, self.index, self.store_url) if system != "closed" else None
+        if coverage:
+            out.append(f"warning: {coverage}")
+        return out
+
     def ask(self, question: str, options: AskOptions, on_text: Callable[[str], None] | None = None,
             cancelled: Callable[[], bool] | None = None) -> dict:
-        """One question; `on_text` hears the answer as it is decoded, `cancelled()` true stops it early."""
+        """One question (checked by the caller); `on_text` hears the answer as it is decoded,
+        `cancelled()` true stops it early."""
         from cachegraft_cli.lm.generation import generate
 
-        prepared = self.prepare(question, options)
+        prepared = self._prepare(question, options)
         gen = generate(prepared.lm, prepared.prompt, options.generation, on_text, prepared.started, cancelled)
         return prepared.result(gen)
 
     def prepare(self, question: str, options: AskOptions) -> "Prepared":
-        """Everything before decoding: checks, retrieval, the caches loaded into a prompt."""
+        """Everything before decoding: the store's checks of `options`, retrieval, the caches
+        loaded into a prompt (serving's entry: each request brings its own options)."""
         self.check_options(options)
-        check_question(question)
+        return self._prepare(question, options)
+
+    def _prepare(self, question: str, options: AskOptions) -> "Prepared":
         t0 = time.perf_counter()
-        hits = self.retrieve(question, options.k) if options.system != "closed" else []
-        t_retrieve = time.perf_counter()
-        lm, prompt = self.build_prompt(question, hits, options)
-        t_load = time.perf_counter()
-        rows = self.store.get_rows([h.id for h in hits])
-        return Prepared(question, options, hits, rows, lm, prompt, t0,
-                        {"retrieve": t_retrieve - t0, "load": t_load - t_retrieve})
+        plan = self._planned.pop(_plan_key(question, options), None)
+        if plan is None:
+            hits = self.retrieve(question, options.k) if options.system != "closed" else []
+            searched, started, t_search = time.perf_counter() - t0, t0, time.perf_counter()
+            plan = self.plan(question, hits, options)
+        else:  # planned by `check_fits`: its retrieval counts as if it were now
+            searched, started, t_search = plan.seconds, t0 - plan.seconds, t0
+        lm, prompt = self.prompt_of(plan, options)
+        load = time.perf_counter() - t_search
+        return Prepared(question, options, plan.hits, plan.rows, lm, prompt, started,
+                        {"retrieve": searched, "load": load})
 
     def check_fits(self, questions: list[str], options: AskOptions) -> None:
         """Refuse a question whose prompt would reach past the model's context window, before any
         model loads: the window from the model's config.json, the stored passages' lengths from the
-        store's rows, the prompt's other tokens from the tokenizer alone. A bound from the store's
-        metadata alone comes first, so a plain overflow (`--max-new-tokens 100000`) is refused
-        without even the tokenizer. The loaded model is checked again when the prompt is built
+        store's rows, the prompt's other tokens from the tokenizer alone. A bound from the rows
+        alone comes first, so a plain overflow (`--max-new-tokens 100000`) is refused without even
+        the tokenizer. The loaded model is checked again when the prompt is built
         (`_check_context`). A question that retrieves nothing is checked without passages (a lower
-        bound) and left to fail when it is answered."""
+        bound) and left to fail when it is answered. The plans are kept for answering the questions."""
         from cachegraft_cli.lm.models import configured_window
 
         spec = self.session.choice.sharer if options.system == "sharer-text" else self.session.choice.receiver
         window = configured_window(spec) if spec else None
         if spec is None or window is None:  # no sharer named: `sharer-text` says so when it loads
             return
+        t0 = time.perf_counter()
         closed = options.system == "closed"
         hit_lists = [[] for _ in questions] if closed else self.index.search_many(questions, self.search_k(options.k))
+        row_lists = [self.store.get_rows([h.id for h in hits]) for hits in hit_lists]
+        seconds = (time.perf_counter() - t0) / max(1, len(questions))
         new_tokens = options.generation.max_new_tokens
         if options.system != "sharer-text":  # the store's rows count the receiver's tokens only
-            for hits in hit_lists:
-                check_window(spec, window, self.least_end(hits, options), new_tokens, at_least=True)
+            for rows in row_lists:
+                check_window(spec, window, self.least_end(rows, options), new_tokens, at_least=True)
         template = self.planned_template(options.system)
-        for question, hits in zip(questions, hit_lists):
-            check_window(spec, window, self.planned_end(question, hits, options, template), new_tokens)
+        for question, hits, rows in zip(questions, hit_lists, row_lists):
+            plan = self.plan(question, hits, options, template, rows)
+            check_window(spec, window, plan.end, new_tokens)
+            if hits or closed:  # a question that retrieved nothing fails when it is answered
+                self._planned[_plan_key(question, options)] = replace(plan, seconds=seconds)
 
     def planned_template(self, system: str):
         """The prompt template of the model answering `system`, built from its tokenizer alone."""
         if system != "sharer-text":
             return self.session.template
+        if "sharer" in self.session.__dict__:  # loaded: its own tokenizer
+            return self._text_model(system)[1]
         from cachegraft_cli.lm.models import load_tokenizer
         from cachegraft_cli.lm.template import PromptTemplate
 
@@ -153,25 +183,30 @@ class Asker:
         tokenizer = load_tokenizer(choice.sharer or "", trust_remote_code=choice.trust_remote_code)
         return PromptTemplate.for_tokenizer(tokenizer, choice.instruction)
 
-    def least_end(self, hits, options: AskOptions) -> int:
-        """A lower bound of `planned_end` from the store's metadata alone: the prefix, the stored
-        passages' lengths (stored-cache systems; text re-tokenizes them) and one question token."""
+    def least_end(self, rows, options: AskOptions) -> int:
+        """A lower bound of a plan's end from the hits' rows alone (no tokenizer): the prefix, the
+        stored passages' spans (stored-cache systems; text re-tokenizes them) and one question token."""
         prefix = len(self.store.prefix_token_ids)
-        if options.system not in CACHE_KIND or not hits:
+        if options.system not in CACHE_KIND or not rows:
             return prefix + 1
-        lengths = [r.tokens for r in self.store.get_rows([h.id for h in hits])]
-        return prefix + (max(lengths) if options.scheme == "shared" else sum(lengths)) + 1
+        return prefix + _extent([_span(r) for r in rows], options.scheme) + 1
 
-    def planned_end(self, question: str, hits, options: AskOptions, template) -> int:
-        """The position after the prompt's last token, as `build_prompt` builds it (`Layout`)."""
-        rows = self.store.get_rows([h.id for h in in_prompt_order(hits, options.order)])
-        question_tokens = len(template.question_ids(question))
-        if options.system not in CACHE_KIND:
-            passages = sum(len(template.passage_ids(r.title, r.read_text)) for r in rows)
-            return len(template.prefix_ids()) + passages + question_tokens
-        lengths = [r.tokens for r in rows]
-        shared = options.scheme == "shared" and lengths
-        return len(self.store.prefix_token_ids) + (max(lengths) if shared else sum(lengths)) + question_tokens
+    def plan(self, question: str, hits, options: AskOptions, template=None, rows=None) -> PromptPlan:
+        """The prompt of `question` over `hits` (rank order) laid out once: `rows` are the hits'
+        rows (fetched here when not given), `template` the answering model's (default: its own)."""
+        template = template if template is not None else self.planned_template(options.system)
+        rows = rows if rows is not None else self.store.get_rows([h.id for h in hits])
+        in_prompt = in_prompt_order(rows, options.order)
+        question_ids = template.question_ids(question)
+        kind = CACHE_KIND.get(options.system)
+        if kind is not None:
+            return PromptPlan(options.system, kind, options.scheme, options.order, list(hits), rows,
+                              list(self.store.prefix_token_ids),
+                              [r.tokens for r in in_prompt], [_span(r) for r in in_prompt], question_ids)
+        passage_ids = [template.passage_ids(r.title, r.read_text) for r in in_prompt]
+        lengths = [len(p) for p in passage_ids]
+        return PromptPlan(options.system, None, options.scheme, options.order, list(hits), rows,
+                          template.prefix_ids(), lengths, lengths, question_ids, passage_ids)
 
     def search_k(self, k: int) -> int:
         """How many hits to ask the index for: `k`, but never more than the store holds. A search
@@ -191,39 +226,43 @@ class Asker:
 
     def build_prompt(self, question: str, hits, options: AskOptions) -> tuple[object, Prompt]:
         """(model, prompt) for one question; `hits` in retrieval rank order."""
-        ids = [h.id for h in in_prompt_order(hits, options.order)]
-        if options.system in CACHE_KIND:
-            lm, prompt = self.receiver, self._assemble(ids, question, CACHE_KIND[options.system], options)
+        return self.prompt_of(self.plan(question, hits, options), options)
+
+    def prompt_of(self, plan: PromptPlan, options: AskOptions) -> tuple[object, Prompt]:
+        """(model, prompt) of a plan: the stored caches assembled, or the planned ids."""
+        if plan.kind is not None:
+            lm, prompt = self.receiver, self._assemble(plan, options)
         else:
-            lm, template = self._text_model(options.system)
-            rows = self.store.get_rows(ids)
-            tokens = template.prefix_ids() + [i for r in rows for i in template.passage_ids(r.title, r.read_text)]
-            prompt = Prompt.plain(None, tokens + template.question_ids(question), 0)
+            lm = self._text_model(options.system)[0]
+            tokens = plan.prefix_ids + [i for ids in plan.passage_ids for i in ids]
+            prompt = Prompt.plain(None, tokens + plan.question_ids, 0)
         _check_context(lm, prompt, options.generation.max_new_tokens)
         return lm, prompt
 
     def ask_many(self, questions: list[str], options: AskOptions, batch_size: int = 8,
                  streams: RowStreams | None = None) -> list[dict]:
-        """Answer questions in batches of `batch_size` (one batched decode each); `streams`
-        (one entry per question) hears each answer as it is decoded and can stop one.
+        """Answer questions (checked by the caller) in batches of `batch_size` (one batched decode
+        each); `streams` (one entry per question) hears each answer as it is decoded and can stop one.
 
         Timings: `load` (reading and assembling the question's caches) is the
         question's own; what the batch does at once (retrieval, the batched
         prefill and decode) is under `batch`, the same for every question of it."""
         from cachegraft_cli.lm.generation import generate_batch
 
-        self.check_options(options)
         results = []
         for i in range(0, len(questions), batch_size):
             chunk = questions[i : i + batch_size]
             t0 = time.perf_counter()
-            hit_lists = self._retrieve_many(chunk, options)
+            plans, ahead = self._plan_many(chunk, options)
+            t0 -= ahead  # the plans `check_fits` made retrieved then: that time counts as if it were now
             t_retrieve = time.perf_counter()
             prompts, loads = [], []
-            for q, hits in zip(chunk, hit_lists):
+            for plan in plans:
                 start = time.perf_counter()
-                prompts.append(self.build_prompt(q, hits, options))
+                prompts.append(self.prompt_of(plan, options))
                 loads.append(time.perf_counter() - start)
+            for q in chunk:  # answered from here on: the plans made before are spent
+                self._planned.pop(_plan_key(q, options), None)
             t_load = time.perf_counter()
             window = _window(streams, i, len(chunk))
             gens = generate_batch(prompts[0][0], [p for _, p in prompts], options.generation, window)
@@ -231,11 +270,20 @@ class Asker:
             shared = {"questions": len(chunk), "retrieve": t_retrieve - t0, "load": t_load - t_retrieve,
                       "prefill": first["prefill"], "first_token": t_load - t0 + first["first_token"],
                       "total": t_load - t0 + first["total"]}
-            for q, hits, (_, prompt), gen, load in zip(chunk, hit_lists, prompts, gens, loads):
+            for q, plan, (_, prompt), gen, load in zip(chunk, plans, prompts, gens, loads):
                 timings = {"load": load, "batch": {k: round(v, 4) for k, v in shared.items()}}
-                rows = self.store.get_rows([h.id for h in hits])
-                results.append(_result(q, gen, prompt, hits, rows, options, timings))
+                results.append(_result(q, gen, prompt, plan.hits, plan.rows, options, timings))
         return results
+
+    def _plan_many(self, questions: list[str], options: AskOptions) -> tuple[list[PromptPlan], float]:
+        """The questions' plans: those `check_fits` made (and the seconds they took then), the
+        others retrieved and planned now."""
+        plans = [self._planned.get(_plan_key(q, options)) for q in questions]
+        ahead = sum(p.seconds for p in plans if p is not None)
+        todo = [q for q, p in zip(questions, plans) if p is None]
+        hit_lists = self._retrieve_many(todo, options) if todo else []
+        made = {q: self.plan(q, hits, options) for q, hits in zip(todo, hit_lists)}
+        return [p if p is not None else made[q] for q, p in zip(questions, plans)], ahead
 
     def _retrieve_many(self, questions: list[str], options: AskOptions):
         if options.system == "closed":
@@ -254,27 +302,28 @@ class Asker:
             return sharer, PromptTemplate.for_tokenizer(sharer.tokenizer, self.session.choice.instruction)
         return self.receiver, self.session.template
 
-    def _assemble(self, ids: list[str], question: str, kind: str, options: AskOptions) -> Prompt:
-        """The prompt over the stored caches of `ids` (prompt order): past, recomputed tokens, question."""
+    def _assemble(self, plan: PromptPlan, options: AskOptions) -> Prompt:
+        """The prompt over the plan's stored caches: past, recomputed tokens, question."""
+        kind = plan.kind
         if kind not in self.store.kinds:
             raise UsageError(
                 f"Store {self.store_url} has no {kind!r} caches (it holds {', '.join(self.store.kinds)}).",
                 "Re-encode with `cachegraft encode --also-own-cache` into a new store to compare with the `cache` "
                 "system.",
             )
+        ids = plan.ids
         arrays = self.store.read(ids, kind=kind)
         kept = self.store.positions(ids)  # a pruned store's tokens keep their positions in the passage
         assembly = options.assembly
         needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
-        passage_ids = self._passage_ids(ids, arrays, kept) if needs_ids else []
-        return self._assembler.prompt(arrays, passage_ids, self.session.template.question_ids(question), assembly,
-                                      kept)
+        passage_ids = self._passage_ids(plan.prompt_rows, arrays, kept) if needs_ids else []
+        return self._assembler.prompt(arrays, passage_ids, plan.question_ids, assembly, kept)
 
-    def _passage_ids(self, ids: list[str], arrays, kept) -> list[list[int]]:
+    def _passage_ids(self, rows, arrays, kept) -> list[list[int]]:
         """Token ids of the stored passages (re-tokenized), checked against their lengths before pruning."""
         template = self.session.template
         out = []
-        for row, array, k in zip(self.store.get_rows(ids), arrays, kept):
+        for row, array, k in zip(rows, arrays, kept):
             tokens = template.passage_ids(row.title, row.read_text)
             if len(tokens) != (len(array) if k is None else k[1]):
                 raise StoreMismatchError(
@@ -285,6 +334,62 @@ class Asker:
                 )
             out.append(tokens)
         return out
+
+
+@dataclass
+class PromptPlan:
+    """One question's prompt laid out once, from its hits' rows fetched once: what `check_fits`
+    measures and what `build_prompt` assembles, so the two cannot disagree.
+
+    Passages are in prompt order (`order` applied). A stored-cache system (`kind`) reads each
+    passage's stored tokens (`lengths` slots) at the positions it spans (`spans`: a pruned
+    passage's tokens before pruning), one after another (`rotate`) or each from the prefix's end
+    (`shared`); a text system pastes `passage_ids` after `prefix_ids`."""
+
+    system: str
+    kind: str | None  # the stored caches read (`systems.CACHE_KIND`); None: passages as text, or none
+    scheme: str
+    order: str
+    hits: list  # retrieval rank order
+    rows: list  # the hits' rows, rank order
+    prefix_ids: list[int]
+    lengths: list[int]  # per passage: its slots in the prompt
+    spans: list[int]  # per passage: the positions it spans
+    question_ids: list[int]
+    passage_ids: list[list[int]] = field(default_factory=list)  # text systems: the pasted ids
+    seconds: float = 0.0  # its share of the retrieval and row reads that made it, ahead of answering
+
+    @property
+    def ids(self) -> list[str]:
+        """The passages' ids in prompt order."""
+        return [h.id for h in in_prompt_order(self.hits, self.order)]
+
+    @property
+    def prompt_rows(self) -> list:
+        return in_prompt_order(self.rows, self.order)
+
+    @property
+    def end(self) -> int:
+        """The position after the prompt's last token (`Prompt.end_position` of the built prompt)."""
+        spans = _extent(self.spans, self.scheme) if self.kind is not None else sum(self.spans)
+        return len(self.prefix_ids) + spans + len(self.question_ids)
+
+
+def _plan_key(question: str, options: AskOptions) -> tuple:
+    """What a plan depends on: the question, what is retrieved, which prompt reads it and how."""
+    return question, options.system, options.k, options.order, options.scheme
+
+
+def _span(row) -> int:
+    """The positions a stored passage spans (a pruned one: its tokens before pruning)."""
+    return row.span_tokens if row.span_tokens is not None else row.tokens
+
+
+def _extent(spans: list[int], scheme: str) -> int:
+    """Positions the passages take: one after another (`rotate`), or the longest (`shared`)."""
+    if not spans:
+        return 0
+    return max(spans) if scheme == "shared" else sum(spans)
 
 
 @dataclass

@@ -63,23 +63,20 @@ def ask(
     """Answer a question from the store with the receiver only (or a baseline system)."""
     from cachegraft_cli.answering.options import check_batch_size, check_index_kind, with_settings
     from cachegraft_cli.answering.questions import read_questions
-    from cachegraft_cli.answering.systems import check_question
     from cachegraft_cli.errors import UsageError
 
     if (question is None) == (questions is None):
         raise UsageError("Give either a QUESTION or --questions FILE, not both or neither.",
                          'Example: cachegraft ask "Who founded the town?" --store my-store')
     # Everything that can be checked is checked before any model loads: options (by the same
-    # checks as the API's), the questions file, the model choices, the store, its index and
-    # whether each prompt fits the model's context window.
+    # checks as the API's), the questions file, then, by the API (`Store.check_ask`), the model
+    # choices, the store, the questions, its index and whether each prompt fits the context window.
     options = with_settings(None, dict(system=system, k=k, scheme=scheme, order=order, recompute=recompute,
                                        blend=blend, blend_layer=blend_layer, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed))
     check_batch_size(batch_size)
     check_index_kind(index_kind)
     items = read_questions(questions) if questions is not None else []
-    if question is not None:
-        check_question(question)
     if server:
         _refuse_model_options(sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                               trust_remote_code=trust_remote_code or None)
@@ -92,10 +89,7 @@ def ask(
 
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
                   trust_remote_code=trust_remote_code)
-    graft.asker.check_options(options)  # the system and a blend layer, from the store's metadata
-    _note_closed_fuser(graft, system)
-    _note_coverage(graft, system, store)
-    graft.asker.check_fits([q for _, q in items] if question is None else [question], options)
+    graft.check_ask([q for _, q in items] if question is None else [question], options, note=log)
     batch = questions is not None
     with showing_status(json_out or batch):
         graft.warm(system)
@@ -131,20 +125,6 @@ def _ask_server(url: str, api_key: str | None, store: str, question: str | None,
             _batch(lambda qs: client.ask_many(store, qs, options, concurrency=batch_size), items, batch_size)
     finally:
         client.close()
-
-
-def _note_coverage(graft, system: str, store: str) -> None:
-    from cachegraft_cli.retrieval.stored import coverage_note
-
-    note = coverage_note(graft.asker.store, graft.asker.index, store) if system != "closed" else None
-    if note:
-        log(f"warning: {note}")
-
-
-def _note_closed_fuser(graft, system: str) -> None:
-    if system == "graft" and graft.asker.store.identity.get("fuser") is None:
-        log("note: this store was encoded with the fuser closed, "
-            "so `graft` answers from the receiver's own caches (the `cache` system).")
 
 
 def _echo(text: str) -> None:

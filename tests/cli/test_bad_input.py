@@ -368,20 +368,18 @@ def test_context_window_is_checked_before_models_load(long_store, system, no_mod
 def test_context_window_check_before_loading_agrees_with_the_one_after(long_store, tiny_dirs):
     """The planned end position is the built prompt's, for every system and scheme: the check
     before loading refuses exactly what the check after loading refuses."""
-    import cachegraft_cli as cg
     from cachegraft_cli.answering.ask import Asker
     from cachegraft_cli.api import ask_options
 
-    graft = cg.open_store(long_store)
-    asker: Asker = graft.asker
+    asker = Asker(long_store)
     cases = (("graft", "rotate", 3, 0), ("graft", "shared", 3, 0), ("graft", "rotate", 3, 4), ("text", "rotate", 3, 0),
              ("closed", "rotate", 1, 0))
     for system, scheme, k, recompute in cases:
         options = ask_options(system=system, scheme=scheme, k=k, recompute=recompute)
         hits = asker.retrieve("harbor lighthouse", k) if system != "closed" else []
-        _, prompt = asker.build_prompt("harbor lighthouse", hits, options)
-        planned = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
-        assert planned == prompt.end_position, (system, scheme)
+        planned = asker.plan("harbor lighthouse", hits, options)
+        _, prompt = asker.prompt_of(planned, options)
+        assert planned.end == prompt.end_position, (system, scheme)
 
 
 SAME_MISTAKES = [
@@ -424,13 +422,13 @@ def test_the_cli_and_the_api_say_the_same_for_the_same_mistake(flags, keywords, 
 def test_the_bound_before_the_tokenizer_never_exceeds_the_exact_end(long_store):
     """The metadata-only bound is a lower bound of the exact end for every system and scheme, so
     it never refuses a prompt that fits."""
-    import cachegraft_cli as cg
+    from cachegraft_cli.answering.ask import Asker
     from cachegraft_cli.api import ask_options
 
-    asker = cg.open_store(long_store).asker
+    asker = Asker(long_store)
     for system in ("graft", "text", "closed"):
         for scheme in ("rotate", "shared"):
             options = ask_options(system=system, scheme=scheme, k=3)
             hits = asker.retrieve("harbor lighthouse", 3) if system != "closed" else []
-            exact = asker.planned_end("harbor lighthouse", hits, options, asker.planned_template(system))
-            assert asker.least_end(hits, options) <= exact, (system, scheme)
+            plan = asker.plan("harbor lighthouse", hits, options)
+            assert asker.least_end(plan.rows, options) <= plan.end, (system, scheme)

@@ -314,7 +314,9 @@ def test_nucleus_sampling_is_unchanged_for_usable_top_p():
 def test_a_huge_k_is_searched_as_the_whole_store(store):
     """-k 10**30 overflowed the search engine (a raw OverflowError); -k 2**31-1 made tantivy abort
     the process sizing its buffers. No store has more passages than it holds: k is capped there."""
-    asker = cg.open_store(store).asker
+    from cachegraft_cli.answering.ask import Asker
+
+    asker = Asker(store)
     assert asker.search_k(10**30) == asker.search_k(2**31 - 1) == 2 and asker.search_k(1) == 1
     assert {h.id for h in asker.retrieve("harbor lighthouse treaty", 10**30)} == {"harbor", "treaty"}
 
