@@ -75,7 +75,7 @@ def figures(key: str, out: dict) -> list[tuple[str, float | str, str, str]]:
         return rows
     if key == "store_scale":
         r = out["ratios"]
-        return [("read/stored bytes (synthetic 100k store)", r["p4_read_ratio"], "<= 1.5", _v(r["p4_read_ratio"] <= 1.5)),
+        return [("read/stored bytes (synthetic 100k)", r["p4_read_ratio"], "<= 1.5", _v(r["p4_read_ratio"] <= 1.5)),
                 ("ask-like latency 100k/1k", r["p4_latency_big/small"], "<= 1.1",
                  _v(r["p4_latency_big/small"] <= 1.1)),
                 ("ask-like latency, page cache evicted before each read", r["p4_disk_ask_like_big/small"], "<= 1.1",
