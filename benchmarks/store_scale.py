@@ -43,7 +43,7 @@ import time
 import bench_common as bc
 import numpy as np
 
-TARGETS = {"p4_read_ratio": 1.5, "p4_latency_big/small": 1.1, "p5_append_big/empty": 1.1}
+TARGETS = {"read_ratio": 1.5, "ask_like_big/small": 1.1, "append_big/empty": 1.1}
 SEGMENT_ROWS = 2000
 SHARD_TOKENS = 4096
 
@@ -365,23 +365,23 @@ def report(args, geometry, reads, appends, disk, built, start_machine) -> None:
                    f"{args.append_repeats} appends of {args.append} "
                    f"(append/index columns: empty store vs big store)", ["what", "small_ms", "big_ms", "big/small"],
                    rows)
-    ratios = {"p4_read_ratio": reads["big"]["read_ratio"],
-              "p4_latency_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
-              "p4_read_latency_big/small": reads["big"]["read"] / reads["small"]["read"],
-              "p5_append_big/empty": appends["big"] / appends["empty"], "p5_append_write_only_big/empty": wb / we,
-              "p4_cold_ask_like_big/small": reads["big"]["cold_ask_like"] / reads["small"]["cold_ask_like"],
-              "p4_disk_ask_like_big/small": reads["big"]["ask_like_disk"] / reads["small"]["ask_like_disk"],
-              "p5_index_update_big/empty": appends["index_big"] / appends["index_empty"]}
+    ratios = {"read_ratio": reads["big"]["read_ratio"],
+              "ask_like_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
+              "read_big/small": reads["big"]["read"] / reads["small"]["read"],
+              "append_big/empty": appends["big"] / appends["empty"], "append_write_only_big/empty": wb / we,
+              "cold_ask_like_big/small": reads["big"]["cold_ask_like"] / reads["small"]["cold_ask_like"],
+              "disk_ask_like_big/small": reads["big"]["ask_like_disk"] / reads["small"]["ask_like_disk"],
+              "index_update_big/empty": appends["index_big"] / appends["index_empty"]}
     print(f"Bytes read / stored bytes of k passages (big store): median {reads['big']['read_ratio']:.3f}, "
-          f"max {reads['big']['read_ratio_max']:.3f} -> {bc.verdict(ratios['p4_read_ratio'], 1.5)}")
-    print(f"Ask-like latency big/small -> {bc.verdict(ratios['p4_latency_big/small'], 1.1)} "
-          f"(read only: {ratios['p4_read_latency_big/small']:.2f})")
-    print(f"Ask-like, page cache evicted before each read, big/small: {ratios['p4_disk_ask_like_big/small']:.2f} "
+          f"max {reads['big']['read_ratio_max']:.3f} -> {bc.verdict(ratios['read_ratio'], 1.5)}")
+    print(f"Ask-like latency big/small -> {bc.verdict(ratios['ask_like_big/small'], 1.1)} "
+          f"(read only: {ratios['read_big/small']:.2f})")
+    print(f"Ask-like, page cache evicted before each read, big/small: {ratios['disk_ask_like_big/small']:.2f} "
           f"({reads['small']['ask_like_disk'] * 1e3:.0f} vs {reads['big']['ask_like_disk'] * 1e3:.0f} ms)")
-    print(f"One-shot (open store + index + ask-like) big/small: {ratios['p4_cold_ask_like_big/small']:.1f}x")
-    print(f"Append (open + write + commit) big/empty -> {bc.verdict(ratios['p5_append_big/empty'], 1.1)}; "
-          f"write+commit only {ratios['p5_append_write_only_big/empty']:.2f}x "
-          f"(index update after it: {ratios['p5_index_update_big/empty']:.2f}x)")
+    print(f"One-shot (open store + index + ask-like) big/small: {ratios['cold_ask_like_big/small']:.1f}x")
+    print(f"Append (open + write + commit) big/empty -> {bc.verdict(ratios['append_big/empty'], 1.1)}; "
+          f"write+commit only {ratios['append_write_only_big/empty']:.2f}x "
+          f"(index update after it: {ratios['index_update_big/empty']:.2f}x)")
     print(f"disk bytes {disk}; build seconds {built}; machine at start {start_machine}; "
           f"loadavg at end {bc.machine()['loadavg']}")
     bc.emit({"bench": "store_scale", "geometry": geometry, "tokens": args.tokens, "big": args.big,
