@@ -3,7 +3,7 @@
 Batch size 1 is sequential `Asker.ask`; larger sizes use `Asker.ask_many`
 when this CacheGraft has it (checked at run time; otherwise they report "not
 available"). The same questions (about the shared real-pair store, see
-p1_ttft.py) are answered under every condition; conditions are interleaved,
+ttft.py) are answered under every condition; conditions are interleaved,
 their order rotating each repeat. Also reports how many batched answers
 equal the sequential ones (batched decoding with padding may differ).
 
@@ -32,7 +32,7 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--use-store", default=None,
-                    help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
+                    help="use this existing store of SQuAD paragraphs (e.g. one codec_quality.py made)")
     return ap.parse_args(argv)
 
 

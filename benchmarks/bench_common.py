@@ -34,7 +34,7 @@ SQUAD = str((QA_DATA / "squad_v1.1_dev.json").resolve())
 # None: the library's pick (bf16 only on CPUs with AVX512-BF16/AMX, else float32; bf16
 # emulated on AVX2 is many times slower). CACHEGRAFT_BENCH_DTYPE=bfloat16 forces it.
 DTYPE = os.environ.get("CACHEGRAFT_BENCH_DTYPE") or None
-# The real-pair store P1, P6 and the batch benchmark share: 20 SQuAD paragraphs (k=5
+# The real-pair store ttft.py, ask_memory.py and batch_throughput.py share: 20 SQuAD paragraphs (k=5
 # retrieves ~700 tokens, as the text systems read them; ~100 questions). Encoded with the
 # closed fuser (the receiver's own caches): what these benchmarks time - retrieval,
 # reading and assembling caches, the question's prefill, decoding - reads caches of the
@@ -168,7 +168,7 @@ def real_data(n_passages: int, seed: int = 0):
 
 
 def real_store(n_passages: int, seed: int = 0, fuser: str = REAL_FUSER):
-    """(store url, session, passages, questions): the real-pair store P1, P6 and the batch
+    """(store url, session, passages, questions): the real-pair store ttft.py, ask_memory.py and the batch
     benchmark share; built once under WORK_DIR and reused by later runs."""
     passages, questions = real_data(n_passages, seed)
     session = session_for(fuser, seed)

@@ -72,7 +72,7 @@ def parse_args(argv):
 def build_stores(name: str, passages, session, codecs: list[str], tag: str, args) -> tuple[dict[str, str], dict]:
     """A float32 store of the set's paragraphs and its transcodes, one url per codec; and the
     byte figures of each (for `tc@...` probes: the probe's measured bits, see `tc_probe.py`)."""
-    from p3_codecs import bytes_per_token, transcode
+    from codec_quality import bytes_per_token, transcode
 
     base = str(bc.WORK_DIR / f"fidelity-{tag}-{bc.DTYPE or 'auto'}-{name}-n{len(passages)}")
     urls = {"float32": f"{base}-float32"}

@@ -3,7 +3,7 @@ codec and under alternative quantisers, on the real caches of a float32 store.
 
 Each passage is quantised on its own (groups start at its first token; in a store,
 key groups run along the segment and may span passages). Numpy only (no model runs).
-The default store is the float32 one `p3_codecs.py`
+The default store is the float32 one `codec_quality.py`
 builds (`--questions 200`); keys are stored post-RoPE, so the "before RoPE"
 variants un-rotate them with the receiver's RoPE (Qwen2: rotate-half, theta
 from its config) at their canonical positions (template prefix + offset),

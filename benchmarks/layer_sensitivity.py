@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
     from codec_fidelity import calibration_store
-    from p3_codecs import bytes_per_token, transcode
+    from codec_quality import bytes_per_token, transcode
 
     from cachegraft_cli.encoding.calibration import fit_from_store
     from cachegraft_cli.store import CacheStore

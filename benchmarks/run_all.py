@@ -7,7 +7,7 @@ first run included (it encodes the small real stores and generates the
 synthetic 100k-passage one, ~2.5 min in all; later runs reuse what they can);
 the individual scripts take larger sizes for tighter figures.
 
-    python benchmarks/run_all.py [--only p1,p2,p3,p4,p6,batch] [--skip ...]
+    python benchmarks/run_all.py [--only ttft,fuse_speed,codec_quality,store_scale,ask_memory,batch] [--skip ...]
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ HERE = Path(__file__).resolve().parent
 
 # (key, script, small-size arguments)
 SUITE = [
-    ("p1", "p1_ttft.py", ["--questions", "3", "--repeats", "1"]),
-    ("p2", "fuse_speed.py", ["--n", "4", "--batch-sizes", "4", "--no-bf16-fuser",
-                             "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135"]),
-    ("p3", "p3_codecs.py", ["--questions", "16", "--codecs", "int8,int4"]),
-    ("p4", "p4_p5_store_scale.py", ["--repeats", "30", "--append-repeats", "3"]),
-    ("p6", "p6_memory.py", ["--repeats", "1"]),
+    ("ttft", "ttft.py", ["--questions", "3", "--repeats", "1"]),
+    ("fuse_speed", "fuse_speed.py", ["--n", "4", "--batch-sizes", "4", "--no-bf16-fuser",
+                                   "--fuser", "builtin:qwen2.5-coder-0.5b+1.5b-squadshifts-qa-mix135"]),
+    ("codec_quality", "codec_quality.py", ["--questions", "16", "--codecs", "int8,int4"]),
+    ("store_scale", "store_scale.py", ["--repeats", "30", "--append-repeats", "3"]),
+    ("ask_memory", "ask_memory.py", ["--repeats", "1"]),
     ("batch", "batch_throughput.py", ["--questions", "32", "--max-new-tokens", "8"]),
 ]
 
@@ -53,39 +53,39 @@ def run(script: str, extra: list[str]) -> tuple[dict | None, float, int]:
 
 def figures(key: str, out: dict) -> list[tuple[str, float | str, str, str]]:
     """(figure, value, target, verdict) rows of one benchmark's JSON."""
-    if key == "p1":
+    if key == "ttft":
         r = out["ratios"]
-        return [("P1 TTFT text/graft", r["text/graft"], ">= 12", _v(r["text/graft"] >= 12)),
-                ("P1 TTFT sharer-text/graft", r["sharer-text/graft"], ">= 40", _v(r["sharer-text/graft"] >= 40)),
-                ("P4a read/stored bytes (real store)", out["p4_read_ratio_real"]["median"], "<= 1.5",
-                 _v(out["p4_read_ratio_real"]["median"] <= 1.5))]
-    if key == "p2":
+        return [("TTFT text/graft", r["text/graft"], ">= 12", _v(r["text/graft"] >= 12)),
+                ("TTFT sharer-text/graft", r["sharer-text/graft"], ">= 40", _v(r["sharer-text/graft"] >= 40)),
+                ("read/stored bytes (real store)", out["read_ratio_real"]["median"], "<= 1.5",
+                 _v(out["read_ratio_real"]["median"] <= 1.5))]
+    if key == "fuse_speed":
         rows = []
         for bs, res in out["results"].items():
             for name, value in res["ratio"].items():
-                rows.append((f"P2 {name} batch {bs}", value, "<= 1.10", _v(value <= 1.10)))
+                rows.append((f"fused encode / prefills {name} batch {bs}", value, "<= 1.10", _v(value <= 1.10)))
         return rows
-    if key == "p3":
+    if key == "codec_quality":
         rows = []
         for c, t in out["targets"].items():
             ratio, drop = out["sizes"][c]["ratio"], -out["deltas"][c]["delta_pts"]
-            rows.append((f"P3 {c} bytes/raw bf16", ratio, f"<= {t['bytes_ratio']}", _v(ratio <= t["bytes_ratio"])))
-            rows.append((f"P3 {c} F1 drop (pts, {out['questions']} q)", drop, f"<= {t['f1_drop_pts']}",
+            rows.append((f"codec {c} bytes/raw bf16", ratio, f"<= {t['bytes_ratio']}", _v(ratio <= t["bytes_ratio"])))
+            rows.append((f"codec {c} F1 drop (pts, {out['questions']} q)", drop, f"<= {t['f1_drop_pts']}",
                          _v(drop <= t["f1_drop_pts"])))
         return rows
-    if key == "p4":
+    if key == "store_scale":
         r = out["ratios"]
-        return [("P4a read/stored bytes (synthetic big)", r["p4_read_ratio"], "<= 1.5", _v(r["p4_read_ratio"] <= 1.5)),
-                ("P4b ask-like latency 100k/1k", r["p4_latency_big/small"], "<= 1.1",
-                 _v(r["p4_latency_big/small"] <= 1.1)),
-                ("P4b same, page cache evicted before each read", r["p4_disk_ask_like_big/small"], "<= 1.1",
-                 _v(r["p4_disk_ask_like_big/small"] <= 1.1)),
-                ("P5 append 1k: 100k/empty", r["p5_append_big/empty"], "<= 1.1", _v(r["p5_append_big/empty"] <= 1.1)),
-                ("P5' index update after append: 100k/empty", r["p5_index_update_big/empty"], "-", "reported")]
-    if key == "p6":
+        return [("read/stored bytes (synthetic 100k)", r["read_ratio"], "<= 1.5", _v(r["read_ratio"] <= 1.5)),
+                ("ask-like latency 100k/1k", r["ask_like_big/small"], "<= 1.1",
+                 _v(r["ask_like_big/small"] <= 1.1)),
+                ("ask-like latency, page cache evicted before each read", r["disk_ask_like_big/small"], "<= 1.1",
+                 _v(r["disk_ask_like_big/small"] <= 1.1)),
+                ("append 1k: 100k/empty", r["append_big/empty"], "<= 1.1", _v(r["append_big/empty"] <= 1.1)),
+                ("index update after append: 100k/empty", r["index_update_big/empty"], "-", "reported")]
+    if key == "ask_memory":
         m = out["median"]
-        return [(f"P6 ask peak RSS {s} (MiB)", m[s]["ask_peak_mib"], "-", "reported") for s in m] + \
-               [(f"P6 {k}", v, "-", "reported") for k, v in out["ratios"].items()]
+        return [(f"ask peak RSS {s} (MiB)", m[s]["ask_peak_mib"], "-", "reported") for s in m] + \
+               [(f"ask memory {k}", v, "-", "reported") for k, v in out["ratios"].items()]
     if key == "batch":
         return [(f"batch {b} questions/s", v, "-", "reported") for b, v in out["qps"].items()]
     return []

@@ -49,7 +49,7 @@ class Stage:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", required=True, help="a float32 store (codec_fidelity.py / p3_codecs.py build one)")
+    ap.add_argument("--store", required=True, help="a float32 store (codec_fidelity.py / codec_quality.py build one)")
     ap.add_argument("--receiver", default=str(bc.RECEIVER))
     ap.add_argument("--step", type=float, default=0.25)
     ap.add_argument("--value-step", type=float, default=None)

@@ -30,7 +30,7 @@ from cachegraft_cli.answering.options import AskOptions, check_batch_size, check
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.plan import EncodeOptions, EncodeSummary
 from cachegraft_cli.errors import CacheGraftError, UsageError
-from cachegraft_cli.lm.sampling import GenerationConfig
+from cachegraft_cli.lm.sampling import GenerationOptions
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 # The one list of the package's public names (`cachegraft_cli.__init__` re-exports exactly these).
 __all__ = ["Answer", "AskOptions", "AskSettings", "CacheGraftError", "CorpusSource", "EncodeOptions",
-           "EncodeSummary", "GenerationConfig", "Models", "Passage", "RayOptions", "Source", "Store", "ask",
+           "EncodeSummary", "GenerationOptions", "Models", "Passage", "RayOptions", "Source", "Store", "ask",
            "ask_many", "ask_options", "encode", "index", "open_store"]
 
 Corpus = str | Path | Iterable[Passage | dict]

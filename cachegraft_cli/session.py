@@ -292,10 +292,9 @@ def check_named_models(store, choice: ModelChoice) -> None:
                                       f"store info {store.loc.url}`), or encode into a new --store.")
 
 
-def session_for_store(store, overrides: ModelOverrides | ModelChoice | None = None) -> ModelSession:
-    """A session that loads the receiver (and, on demand, the sharer) a store was made with.
-    `overrides` is read for its sharer, device, dtype and trust_remote_code only (a `ModelChoice`
-    is still taken for those fields)."""
+def session_for_store(store, overrides: ModelOverrides | None = None) -> ModelSession:
+    """A session that loads the receiver (and, on demand, the sharer) a store was made with,
+    with the user's `overrides` (sharer, device, dtype, trust_remote_code)."""
     ident = store.identity
     choice = replace(stored_choice(ident), fuser=None, dtype=None)
     if overrides is not None:  # --sharer names the sharer-text model when the store ran none (closed fuser)

@@ -34,5 +34,5 @@ def test_suite_keys_match_recorded_outputs(run_all):
 
 
 def test_a_renamed_field_fails_one_row_not_the_suite(run_all):
-    rows = run_all.safe_figures("p2", {"results": {"1": {"ratios": {}}}})
+    rows = run_all.safe_figures("fuse_speed", {"results": {"1": {"ratios": {}}}})
     assert len(rows) == 1 and rows[0][3] == "FAILED" and "KeyError" in rows[0][0]

@@ -44,7 +44,7 @@ DEFAULT_ORDER = "best-last"
 DEFAULT_SCHEME = "rotate"
 # Off by default: re-reading 16 boundary tokens of each later passage costs the question's forward
 # 3-4x its tokens, and at k=5 text/graft time to first token fell from 8.4x to 4.8x, under the 6x
-# floor (benchmarks/p1_ttft.py, docs/results.md). It also did not help the default best-last order
+# floor (benchmarks/ttft.py, docs/results.md). It also did not help the default best-last order
 # (42 -> 40 EM on squad at k=5); it helped a retrieval-order prompt (17 -> 21 EM).
 DEFAULT_RECOMPUTE = 0
 

@@ -10,7 +10,7 @@ from typing import Any
 from cachegraft_cli.answering.assembly import DEFAULT_ORDER, DEFAULT_RECOMPUTE, DEFAULT_SCHEME, AssemblyOptions
 from cachegraft_cli.answering.systems import check_name
 from cachegraft_cli.checks import instance, one_of, whole
-from cachegraft_cli.lm.sampling import GenerationConfig
+from cachegraft_cli.lm.sampling import GenerationOptions
 
 MAX_QUESTION_BATCH = 4096  # questions decoded together; more only pads memory
 INDEX_KINDS = ("bm25", "dense", "hybrid")
@@ -21,7 +21,7 @@ class AskOptions:
     system: str = "graft"
     k: int = 3
     scheme: str = DEFAULT_SCHEME
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
     order: str = DEFAULT_ORDER
     recompute: int = DEFAULT_RECOMPUTE  # boundary tokens per passage after the first (stored-cache systems)
     blend: float = 0.0  # CacheBlend-style share of the other passage tokens recomputed (opt-in: costs a forward)
@@ -35,7 +35,7 @@ class AskOptions:
         check_name(self.system)
         whole("k (-k)", self.k, 1)
         self.assembly.check()
-        instance("generation", self.generation, GenerationConfig, "Build one with cg.GenerationConfig(...), or pass "
+        instance("generation", self.generation, GenerationOptions, "Build one with cg.GenerationOptions(...), or pass "
                  "max_new_tokens, temperature, top_p and seed as keyword arguments.")
         self.generation.check()
         return self
@@ -52,11 +52,11 @@ def check_index_kind(kind) -> str | None:
 
 
 def with_settings(options: AskOptions | None, settings: dict[str, Any]) -> AskOptions:
-    """`options` (default `AskOptions()`) with `settings` (AskOptions' and GenerationConfig's field
+    """`options` (default `AskOptions()`) with `settings` (AskOptions' and GenerationOptions's field
     names) applied, checked; an unknown name is refused. `cg.ask_options` and the CLI use this."""
     from cachegraft_cli.errors import UsageError
 
-    generation_names = {f.name for f in fields(GenerationConfig)}
+    generation_names = {f.name for f in fields(GenerationOptions)}
     ask_names = {f.name for f in fields(AskOptions)} - {"generation"}
     unknown = sorted(set(settings) - generation_names - ask_names)
     if unknown:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cachegraft_cli.errors import UsageError
+from cachegraft_cli.progress import loading
 
 SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
 
@@ -83,7 +84,7 @@ WEIGHTING = "receiver"  # the error weighted by the receiver's queries and outpu
 def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: float | None = None,
                    weighted: bool = False, layer_steps: bool = False):
     """A calibration fitted on a store's fused caches, its passages in commit order up to
-    `max_tokens` (`settings`: `store.transform.FitSettings`; RoPE theta and the prefix length
+    `max_tokens` (`settings`: `store.transform.FitOptions`; RoPE theta and the prefix length
     are taken from the store's receiver and template when not set). With `ratio`, both steps
     are scaled (their proportion kept) until the calibration codes its own passages at that
     share of raw bf16 (`store.transform.fit_to_ratio`). `weighted`: the error shaped by what it
@@ -108,7 +109,8 @@ def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: flo
         raise UsageError(f"store {url} holds {tokens} tokens; a calibration needs at least 1,000 (a few "
                          "thousand fit well).", "Encode more passages first, or use a shipped calibration.")
     roots = receiver_roots(store, picked) if weighted else None  # the model loads (or fails) before the reading
-    caches = store.read(picked)
+    with loading(f"reading {tokens:,} tokens of caches"):
+        caches = store.read(picked)
     settings = replace(settings, position_offset=len(store.prefix_token_ids),
                        rope_theta=settings.rope_theta or rope_theta_of(store.identity))
     if layer_steps and settings.layer_steps is None:
@@ -116,9 +118,10 @@ def fit_from_store(url: str, settings, max_tokens: int | None = None, ratio: flo
         settings = replace(settings, layer_steps=None if found is None else tuple(map(tuple, found)))
     source = f"{len(picked)} passages of {url}"
     weighting = WEIGHTING if weighted else None
-    if ratio is not None:
-        return tf.fit_to_ratio(caches, settings, ratio, source, roots=roots, weighting=weighting), tokens
-    return tf.fit(caches, settings, source=source, roots=roots, weighting=weighting), tokens
+    with loading(f"fitting the calibration on {tokens:,} tokens"):
+        if ratio is not None:
+            return tf.fit_to_ratio(caches, settings, ratio, source, roots=roots, weighting=weighting), tokens
+        return tf.fit(caches, settings, source=source, roots=roots, weighting=weighting), tokens
 
 
 def shipped_layer_steps(identity: dict) -> list | None:
@@ -143,7 +146,8 @@ def receiver_roots(store, ids: list[str], max_tokens: int = 20_000):
     prefix = list(store.prefix_token_ids)
     wanted = set(ids)
     token_lists = [prefix + template.passage_ids(row.title, row.read_text) for row in store.rows() if row.id in wanted]
-    return error_roots(lm.model, token_lists, max_tokens)
+    with loading(f"measuring the receiver's queries on up to {max_tokens:,} tokens"):
+        return error_roots(lm.model, token_lists, max_tokens)
 
 
 def rope_theta_of(identity: dict) -> float:

@@ -41,7 +41,7 @@ def write_notes(sharer, instruction: str, passages: list[tuple[str, str]], max_t
     """The sharer's notes on each (title, text), decoded together: greedy, blank lines dropped.
     `train-fuser --sharer-notes` writes its training passages' notes with this too."""
     from cachegraft_cli.lm.generation import Prompt, generate_batch
-    from cachegraft_cli.lm.sampling import GenerationConfig
+    from cachegraft_cli.lm.sampling import GenerationOptions
     from cachegraft_cli.lm.template import PromptTemplate
 
     asking = PromptTemplate.for_tokenizer(sharer.tokenizer, instruction)
@@ -49,4 +49,4 @@ def write_notes(sharer, instruction: str, passages: list[tuple[str, str]], max_t
     prompts = [Prompt.plain(None, asking.prefix_ids() + asking.passage_ids(title, text) + request, 0)
                for title, text in passages]
     return ["\n".join(line.strip() for line in gen.text.splitlines() if line.strip())
-            for gen in generate_batch(sharer, prompts, GenerationConfig(max_tokens))]
+            for gen in generate_batch(sharer, prompts, GenerationOptions(max_tokens))]

@@ -37,6 +37,3 @@ class GenerationOptions:
         return self
 
 
-# The name the public API (`cachegraft_cli.GenerationConfig`) and the ask options were written
-# with: one class, kept importable under it.
-GenerationConfig = GenerationOptions

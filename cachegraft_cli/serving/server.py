@@ -75,7 +75,7 @@ def parse_stores(specs: list[str]) -> dict[str, str]:
 def check(config: ServeOptions):
     """Everything that fails without a model: the stores, options, limits, the model overrides.
     Returns the model overrides."""
-    from cachegraft_cli.session import ModelChoice
+    from cachegraft_cli.session import ModelOverrides
     from cachegraft_cli.store import CacheStore
 
     for url in config.stores.values():
@@ -88,8 +88,8 @@ def check(config: ServeOptions):
     if not (t.headers > 0 and t.body > 0 and t.shutdown >= 0):
         raise UsageError("--header-timeout and --body-timeout must be above 0, --shutdown-timeout at least 0.", "")
     check_api_key(config.api_key)
-    return ModelChoice("", config.sharer, None, device=config.device, dtype=config.dtype,
-                       trust_remote_code=config.trust_remote_code).check()
+    return ModelOverrides(config.sharer, device=config.device, dtype=config.dtype,
+                          trust_remote_code=config.trust_remote_code).check()
 
 
 def check_api_key(key: str | None) -> str | None:

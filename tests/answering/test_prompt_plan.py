@@ -23,8 +23,8 @@ def stores(tiny_dirs, tmp_path_factory):
     out = {}
     for name, keep in (("whole", None), ("pruned", 0.5)):
         path = tmp_path_factory.mktemp(name) / "store"
-        cg.encode(passages, path, receiver=str(tiny_dirs["receiver"]), dtype="float32", also_own_cache=True,
-                  keep=keep)
+        cg.encode(passages, path, models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"),
+                  options=cg.EncodeOptions(also_own_cache=True, keep=keep))
         cg.index(path)
         out[name] = str(path)
     return out

@@ -196,6 +196,7 @@ def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["tokens"] >= 1000 and report["sha256"] == load_file(cal_file).sha256
+    assert report["weighting"] == "receiver"  # the default: the error shaped by the store's receiver
     bits = report["bits_per_element"]
     assert 0 < bits < 16 and report["ratio_to_raw_bf16"] == round(bits / 16, 4)
     url = str(tmp_path / "tc")

@@ -149,7 +149,7 @@ HOSTILE = [
     ("store-ask-blend-layer", lambda c: cg.open_store(c["store"]).ask(QUESTION, blend=1.0, blend_layer=99),
      UsageError),
     ("store-ask-bad-generation", lambda c: cg.open_store(c["store"]).ask(
-        QUESTION, options=cg.AskOptions(generation=cg.GenerationConfig(top_p=-1.0))), UsageError),
+        QUESTION, options=cg.AskOptions(generation=cg.GenerationOptions(top_p=-1.0))), UsageError),
     ("store-ask-on-text-str", lambda c: cg.open_store(c["store"]).ask(QUESTION, on_text="print"), UsageError),
     # Store.encode (an append: the store must be left as it was)
     ("store-encode-nan", lambda c: cg.open_store(c["store"]).encode(_meta(score=NAN)), CorpusError),

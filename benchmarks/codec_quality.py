@@ -1,4 +1,4 @@
-"""P3: stored bytes per token per codec, and the F1 cost of lossy codecs (real models).
+"""Stored bytes per token per codec, and the F1 cost of lossy codecs (real models).
 
 Encodes the SQuAD paragraphs behind a seeded sample of questions once into a
 float32 store (lossless whatever dtype the models run in; on CPUs without fast
@@ -18,7 +18,7 @@ depending on any fuser (and without the sharer's cost). A trained fuser dir
 (e.g. the shipped one's) measures it on fused caches; --fuser random is only
 meaningful for the bytes figures (a random open fuser answers nonsense).
 
-    python benchmarks/p3_codecs.py [--questions 200] [--k 3] [--fuser closed|random|DIR] [--codecs bf16,int8,int4]
+    python benchmarks/codec_quality.py [--questions 200] [--k 3] [--fuser closed|random|DIR] [--codecs bf16,int8,int4]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def transcode(src_url: str, dst_url: str, codec: str, codec_params: dict | None 
                             codec_params=codec_params)
     todo = [r for r in src.rows() if r.id not in dst]
     if todo:
-        with dst.writer({"tool": "benchmarks/p3_codecs.py transcode", "from": src_url}) as w:
+        with dst.writer({"tool": "benchmarks/codec_quality.py transcode", "from": src_url}) as w:
             for row in todo:
                 w.add(row, {kind: src.read([row.id], kind=kind)[0] for kind in src.kinds})
     build_store_index(dst_url, "bm25")
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
              deltas[c]["delta_pts"] if c in deltas else 0.0,
              "%.2f..%.2f" % tuple(deltas[c]["ci95"]) if c in deltas else "-",
              deltas[c]["changed"] if c in deltas else "-"] for c in codecs]
-    bc.print_table(f"P3 codecs: {len(passages)} passages ({sizes['float32']['tokens']} tokens), "
+    bc.print_table(f"Codec quality: {len(passages)} passages ({sizes['float32']['tokens']} tokens), "
                    f"{len(questions)} questions, "
                    f"graft k={args.k}, fuser {args.fuser}",
                    ["codec", "B/token", "ratio", "nominal", "F1", "dF1_pts", "95%CI", "q_changed"], rows)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                        "f1": bc.verdict(drop, t["f1_drop_pts"])}
         print(f"{c}: bytes {verdicts[c]['bytes']}; F1 drop {verdicts[c]['f1']}")
     print(f"machine at start: {start_machine}; at end: loadavg {bc.machine()['loadavg']}")
-    bc.emit({"bench": "p3_codecs", "fuser": args.fuser, "k": args.k, "questions": len(questions),
+    bc.emit({"bench": "codec_quality", "fuser": args.fuser, "k": args.k, "questions": len(questions),
              "passages": len(passages), "sizes": sizes, "mean_f1": mean_f1, "deltas": deltas,
              "targets": {c: t for c, t in TARGETS.items() if c in deltas},
              "machine_start": start_machine, "machine_end": bc.machine()})

@@ -1,4 +1,4 @@
-"""P1: time to first token at k passages, graft vs text vs sharer-text (real offline pair).
+"""Time to first token at k passages, graft vs text vs sharer-text (real offline pair).
 
 Builds (once, reused later) a store of N SQuAD paragraphs encoded by the real
 receiver with the closed fuser (`--fuser random`: the real pair and a
@@ -17,13 +17,13 @@ selective recompute; e.g. `recompute=16` times boundary recompute), so what
 recompute costs shows in the same run. The text/graft target is checked on
 the default `graft`.
 
-Also records P4's "bytes read by one ask / stored bytes of its k passages"
+Also records the store-scale benchmark's "bytes read by one ask / stored bytes of its k passages"
 on this real store (graft asks).
 
 `--compare LABEL=STORE,...` times graft from other stores of the same passages (another
 codec, a pruned store) side by side, as `graft[LABEL]`, in the same rotation.
 
-    python benchmarks/p1_ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
+    python benchmarks/ttft.py [--passages 20] [--questions 6] [--repeats 2] [--k 5] [--fuser closed|random]
         [--variants recompute=0,blend=0.15] [--store DIR] [--compare k2v4=DIR2,keep0.5=DIR3]
 """
 
@@ -48,7 +48,7 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fuser", default=bc.REAL_FUSER, help="closed: the receiver's own caches | random: the pair "
                     "with a random open fuser (slower to encode); graft's ask path is the same")
-    ap.add_argument("--store", default=None, help="use this existing store (e.g. one p3_codecs.py made)")
+    ap.add_argument("--store", default=None, help="use this existing store (e.g. one codec_quality.py made)")
     ap.add_argument("--compare", default="", help="comma list LABEL=STORE: graft from these stores of the same "
                     "passages, timed beside the main store's")
     ap.add_argument("--variants", default="recompute=0,blend=0.15",
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     variants = {f"text/{s}": ttft["text"] / ttft[s] for s in options if s.startswith(("graft@", "graft["))}
     rows = [[s, med[s]["prompt_tokens"], med[s]["recomputed"], med[s]["retrieve"], med[s]["load"], med[s]["prefill"],
              ttft[s]] for s in options]
-    bc.print_table(f"P1 time to first token, k={args.k}, "
+    bc.print_table(f"Time to first token, k={args.k}, "
                    f"median of {len(questions)} questions x {args.repeats} repeats (s)",
                    ["system", "question_tok", "recomputed_tok", "retrieve", "load", "prefill", "first_token"], rows)
     for name, value in ratios.items():
@@ -147,12 +147,12 @@ def main(argv=None) -> int:
     for name, value in variants.items():
         print(f"{name}: {value:.1f}x (floor for a default: 6x)")
     read = bc.median(read_ratios)
-    print(f"P4a (real store) bytes read by one graft ask / stored bytes of its k passages: median {read:.3f}, "
+    print(f"Real store: bytes read by one graft ask / stored bytes of its k passages: median {read:.3f}, "
           f"max {max(read_ratios):.3f} -> {bc.verdict(read, 1.5)}")
     print(f"machine at start: {start_machine}; at end: loadavg {bc.machine()['loadavg']}")
-    bc.emit({"bench": "p1_ttft", "k": args.k, "questions": len(questions), "repeats": args.repeats,
+    bc.emit({"bench": "ttft", "k": args.k, "questions": len(questions), "repeats": args.repeats,
              "passages": len(passages), "median": med, "ratios": ratios, "variant_ratios": variants, "targets": TARGETS,
-             "p4_read_ratio_real": {"median": read, "max": max(read_ratios)},
+             "read_ratio_real": {"median": read, "max": max(read_ratios)},
              "machine_start": start_machine, "machine_end": bc.machine()})
     return 0
 

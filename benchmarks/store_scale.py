@@ -1,4 +1,4 @@
-"""P4/P5: does the store slow down as it grows? Synthetic stores, 100k vs 1k passages.
+"""Does the store slow down as it grows? Synthetic stores, 100k vs 1k passages.
 
 The suite generates its own stores (reused by later runs with the same
 settings). Disk is the limit: 100k passages of ~150 tokens at the receiver's
@@ -14,7 +14,7 @@ random-word text, so a BM25 index of 100k passages is real too.
 
 Measured, interleaved store by store in every repeat (medians):
 - open: CacheStore.open
-- read: store.read of k random passages; bytes read via store.stats (P4a)
+- read: store.read of k random passages; bytes read via store.stats (the read ratio)
 - assemble: read + the Asker's assembly (to torch bf16, RoPE re-rotation by
   offset, concat, batch) for the same passages
 - retrieve: BM25 search for a query of words from a random passage + get_rows
@@ -23,12 +23,12 @@ Measured, interleaved store by store in every repeat (medians):
   depend on the store's size)
 - ask-like, page cache evicted: the same after evicting both stores' files
   from the page cache (posix_fadvise DONTNEED) before every read, so the
-  chunks come from disk, as in a store much larger than memory (P4b is the
+  chunks come from disk, as in a store much larger than memory (the ask-like ratio is the
   figure with the page cache as it is).
-P5: open + one writer session appending M passages (commit included) to the
+Append: open + one writer session appending M passages (commit included) to the
 big store vs to a new empty store; and the BM25 index update that follows.
 
-    python benchmarks/p4_p5_store_scale.py [--big 100000] [--small 1000] [--append 1000]
+    python benchmarks/store_scale.py [--big 100000] [--small 1000] [--append 1000]
         [--geometry 1,1,64] [--tokens 100,200] [--repeats 20] [--append-repeats 3]
 """
 
@@ -43,7 +43,7 @@ import time
 import bench_common as bc
 import numpy as np
 
-TARGETS = {"p4_read_ratio": 1.5, "p4_latency_big/small": 1.1, "p5_append_big/empty": 1.1}
+TARGETS = {"read_ratio": 1.5, "ask_like_big/small": 1.1, "append_big/empty": 1.1}
 SEGMENT_ROWS = 2000
 SHARD_TOKENS = 4096
 
@@ -116,7 +116,7 @@ def create(url: str, geometry: dict, synth: Synth):
 
 def append(store, synth: Synth, n: int, prefix: str) -> None:
     """One writer session of n passages (one segment)."""
-    with store.writer({"tool": "benchmarks/p4_p5_store_scale.py", "passages": n}) as w:
+    with store.writer({"tool": "benchmarks/store_scale.py", "passages": n}) as w:
         for i in range(n):
             w.add(*_row_and_caches(synth, i, prefix))
 
@@ -139,7 +139,7 @@ def build(url: str, n: int, geometry: dict, synth: Synth) -> float:
     t0 = time.perf_counter()
     try:
         old = CacheStore.open(url)
-        # Exactly n: P5 appends to the big store, and a grown store (more segments, files
+        # Exactly n: the append test appends to the big store, and a grown store (more segments, files
         # the page cache no longer holds) measured slower run after run; rebuilding is ~30 s.
         if len(old) == n and old.meta.get("format_version") == FORMAT_VERSION:
             return 0.0
@@ -360,31 +360,31 @@ def report(args, geometry, reads, appends, disk, built, start_machine) -> None:
              ["append_write_only", we * 1e3, wb * 1e3, wb / we],
              ["index_update", appends["index_empty"] * 1e3, appends["index_big"] * 1e3,
               appends["index_big"] / appends["index_empty"]]]
-    bc.print_table(f"P4/P5 store scale: {args.small} vs {args.big} passages, geometry {geometry}, "
+    bc.print_table(f"Store scale: {args.small} vs {args.big} passages, geometry {geometry}, "
                    f"tokens {args.tokens}, k={args.k}, {args.repeats} read repeats, "
                    f"{args.append_repeats} appends of {args.append} "
                    f"(append/index columns: empty store vs big store)", ["what", "small_ms", "big_ms", "big/small"],
                    rows)
-    ratios = {"p4_read_ratio": reads["big"]["read_ratio"],
-              "p4_latency_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
-              "p4_read_latency_big/small": reads["big"]["read"] / reads["small"]["read"],
-              "p5_append_big/empty": appends["big"] / appends["empty"], "p5_append_write_only_big/empty": wb / we,
-              "p4_cold_ask_like_big/small": reads["big"]["cold_ask_like"] / reads["small"]["cold_ask_like"],
-              "p4_disk_ask_like_big/small": reads["big"]["ask_like_disk"] / reads["small"]["ask_like_disk"],
-              "p5_index_update_big/empty": appends["index_big"] / appends["index_empty"]}
-    print(f"P4a bytes read / stored bytes of k passages (big store): median {reads['big']['read_ratio']:.3f}, "
-          f"max {reads['big']['read_ratio_max']:.3f} -> {bc.verdict(ratios['p4_read_ratio'], 1.5)}")
-    print(f"P4b ask-like latency big/small -> {bc.verdict(ratios['p4_latency_big/small'], 1.1)} "
-          f"(read only: {ratios['p4_read_latency_big/small']:.2f})")
-    print(f"P4b, page cache evicted before each read, big/small: {ratios['p4_disk_ask_like_big/small']:.2f} "
+    ratios = {"read_ratio": reads["big"]["read_ratio"],
+              "ask_like_big/small": reads["big"]["ask_like"] / reads["small"]["ask_like"],
+              "read_big/small": reads["big"]["read"] / reads["small"]["read"],
+              "append_big/empty": appends["big"] / appends["empty"], "append_write_only_big/empty": wb / we,
+              "cold_ask_like_big/small": reads["big"]["cold_ask_like"] / reads["small"]["cold_ask_like"],
+              "disk_ask_like_big/small": reads["big"]["ask_like_disk"] / reads["small"]["ask_like_disk"],
+              "index_update_big/empty": appends["index_big"] / appends["index_empty"]}
+    print(f"Bytes read / stored bytes of k passages (big store): median {reads['big']['read_ratio']:.3f}, "
+          f"max {reads['big']['read_ratio_max']:.3f} -> {bc.verdict(ratios['read_ratio'], 1.5)}")
+    print(f"Ask-like latency big/small -> {bc.verdict(ratios['ask_like_big/small'], 1.1)} "
+          f"(read only: {ratios['read_big/small']:.2f})")
+    print(f"Ask-like, page cache evicted before each read, big/small: {ratios['disk_ask_like_big/small']:.2f} "
           f"({reads['small']['ask_like_disk'] * 1e3:.0f} vs {reads['big']['ask_like_disk'] * 1e3:.0f} ms)")
-    print(f"P4b' one-shot (open store + index + ask-like) big/small: {ratios['p4_cold_ask_like_big/small']:.1f}x")
-    print(f"P5 append (open + write + commit) big/empty -> {bc.verdict(ratios['p5_append_big/empty'], 1.1)}; "
-          f"write+commit only {ratios['p5_append_write_only_big/empty']:.2f}x "
-          f"(index update after it: {ratios['p5_index_update_big/empty']:.2f}x)")
+    print(f"One-shot (open store + index + ask-like) big/small: {ratios['cold_ask_like_big/small']:.1f}x")
+    print(f"Append (open + write + commit) big/empty -> {bc.verdict(ratios['append_big/empty'], 1.1)}; "
+          f"write+commit only {ratios['append_write_only_big/empty']:.2f}x "
+          f"(index update after it: {ratios['index_update_big/empty']:.2f}x)")
     print(f"disk bytes {disk}; build seconds {built}; machine at start {start_machine}; "
           f"loadavg at end {bc.machine()['loadavg']}")
-    bc.emit({"bench": "p4_p5_store_scale", "geometry": geometry, "tokens": args.tokens, "big": args.big,
+    bc.emit({"bench": "store_scale", "geometry": geometry, "tokens": args.tokens, "big": args.big,
              "small": args.small,
              "append": args.append, "reads": reads, "appends": {k: v for k, v in appends.items() if k != "runs"},
              "ratios": ratios, "targets": TARGETS, "disk_bytes": disk, "build_s": built,

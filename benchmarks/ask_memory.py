@@ -1,7 +1,7 @@
-"""P6: peak memory of one ask, graft vs text (receiver only), each in a fresh process.
+"""Peak memory of one ask, graft vs text (receiver only), each in a fresh process.
 
 Every measurement is a new Python process (so nothing is shared or cached):
-it opens the shared real-pair store (see p1_ttft.py; built if missing),
+it opens the shared real-pair store (see ttft.py; built if missing),
 loads the receiver and the index (`Asker.warm`), then answers one question.
 It reports, from /proc/self/status:
 - load peak: VmHWM after loading (models, index, store);
@@ -11,7 +11,7 @@ It reports, from /proc/self/status:
 and the parent cross-checks the process peak with os.wait4's ru_maxrss.
 Processes for the two systems alternate (graft, text, graft, text, ...).
 
-    python benchmarks/p6_memory.py [--repeats 2] [--k 5] [--passages 20]
+    python benchmarks/ask_memory.py [--repeats 2] [--k 5] [--passages 20]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--use-store", default=None,
-                    help="use this existing store of SQuAD paragraphs (e.g. one p3_codecs.py made)")
+                    help="use this existing store of SQuAD paragraphs (e.g. one codec_quality.py made)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--question", default=None, help=argparse.SUPPRESS)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     keys = ("load_peak_mib", "rss_before_ask_mib", "ask_peak_mib", "ask_increment_mib", "ru_maxrss_mib",
             "prompt_tokens")
     med = {s: {k: bc.median(x[k] for x in rs) for k in keys} for s, rs in runs.items()}
-    bc.print_table(f"P6 memory of one ask, k={args.k}, receiver only, fresh process each, "
+    bc.print_table(f"Memory of one ask, k={args.k}, receiver only, fresh process each, "
                    f"median of {args.repeats} (MiB)",
                    ["system", *keys], [[s, *(med[s][k] for k in keys)] for s in SYSTEMS])
     ratio = {"ask_peak graft/text": med["graft"]["ask_peak_mib"] / med["text"]["ask_peak_mib"],
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     for name, value in ratio.items():
         print(f"{name}: {value:.3f} (reported; no target)")
     print(f"machine at start: {start_machine}; loadavg at end {bc.machine()['loadavg']}")
-    bc.emit({"bench": "p6_memory", "k": args.k, "median": med, "ratios": ratio, "runs": runs,
+    bc.emit({"bench": "ask_memory", "k": args.k, "median": med, "ratios": ratio, "runs": runs,
              "machine_start": start_machine, "machine_end": bc.machine()})
     return 0
 
