@@ -18,7 +18,7 @@ SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
 
 
 def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
-    """A new store's codec when none is named: int8 (the transform codec's stores are 2.7x smaller,
+    """A new store's codec when none is named: int8 (the transform codec's stores are 3.3x smaller,
     but their caches take 3.4x as long to load, which misses the first-token bound a default must
     keep: docs/results.md, "Store size"); and, where the fuser ships a calibration, a note that
     `--codec tc` is one flag away."""
@@ -26,7 +26,7 @@ def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
 
     if shipped_file(fuser_spec) is None:
         return DEFAULT_CODEC, None
-    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.18x (this fuser "
+    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.14x (this fuser "
                            "ships a calibration), at int4's fidelity or better, but slower to load: about +0.08 s "
                            "to the first token at k = 5 on a 2-core CPU (docs/results.md, \"Store size\").")
 
