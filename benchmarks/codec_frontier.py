@@ -37,12 +37,15 @@ def draw(pts: list[dict], out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "kl", "KL(lossless || codec), mean per position"),
                            (axes[1], "dnll", "dNLL per gold-answer token")):
         means = sorted(p[key]["mean"] for p in pts)
-        top = 4 * means[len(means) // 2] + 1e-4  # far worse codecs (k2v4) are drawn at the top edge, value written
+        # far worse codecs (k2v4: 40x the median) are drawn at the top edge, value written; the rest whole
+        near = max(abs(means[len(means) // 2]), 1e-4) * 10
+        top = 1.05 * max(p[key]["ci95"][1] for p in pts if p[key]["mean"] <= near)
         ax.set_ylim(min(0.0, means[0]) - 0.05 * top, top)
         for k, marker in ((3, "o"), (5, "s")):
             sel = [p for p in pts if p["k"] == k]
@@ -62,6 +65,13 @@ def draw(pts: list[dict], out: str) -> None:
                     ax.annotate(p["codec"], (p["ratio"], mean), textcoords="offset points", xytext=(4, 4),
                                 fontsize=7)
         ax.set_xscale("log")
+        # a narrow log range would label its minor ticks over each other: label fixed fractions only
+        ratios = [p["ratio"] for p in pts]
+        ticks = [t for t in (0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.8, 1.0)
+                 if min(ratios) * 0.9 <= t <= max(ratios) * 1.1]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(lambda x, _pos: f"{x:g}")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("stored bytes / raw bf16 KV (log)")
         ax.set_title(title, fontsize=10)
         ax.axvline(0.125, color="grey", linestyle=":", linewidth=1)

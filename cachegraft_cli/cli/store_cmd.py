@@ -73,7 +73,9 @@ def _info_table(report: dict):
     if tables:
         table.add_row("codec tables", f"{_fmt_bytes(tables['bytes'])} once per store ({tables['file']}): calibrated "
                                       f"on {tables['tokens']:,} tokens of {tables['source']}, key step "
-                                      f"{tables['key_step']:g}, value step {tables['value_step']:g}")
+                                      f"{tables['key_step']:g}, value step {tables['value_step']:g}"
+                                      + (", weighted by the receiver" if tables.get("weighting") else "")
+                                      + (", per-layer steps" if tables.get("layer_steps") else ""))
     table.add_row("segments", str(report["segments"]["count"]))
     for seg in report["segments"]["list"]:
         table.add_row("", f"{seg['name']}: {seg['rows']:,} rows, {seg['tokens']:,} tokens, committed "

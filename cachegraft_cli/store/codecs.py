@@ -465,9 +465,9 @@ class TransformCodec(Codec):
     def tables(self) -> dict:
         cal = self.calibration()
         keep = ("source", "tokens", "passages", "key_step", "value_step", "bits_per_element", "rope_theta", "predict",
-                "transform")
+                "transform", "weighting")
         return {"file": self.calibration_path, "bytes": len(cal.to_bytes()), "sha256": self.params["calibration"],
-                **{k: cal.info.get(k) for k in keep}}
+                **{k: cal.info.get(k) for k in keep}, "layer_steps": bool(cal.info.get("layer_steps"))}
 
     def calibration(self):
         """The store's calibration, checked against its sha256 on first use."""

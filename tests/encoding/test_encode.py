@@ -211,6 +211,7 @@ def test_a_tc_store_from_a_fitted_calibration_holds_the_lossless_caches_closely(
     assert err < 0.1
     info = store.info()
     assert info["codec_tables"]["sha256"] == report["sha256"] and store.verify()["ok"]
+    assert info["codec_tables"]["weighting"] == "receiver" and info["codec_tables"]["layer_steps"] is False
     assert info["ratio_to_raw_bf16"]["fused"] < reference.info()["ratio_to_raw_bf16"]["fused"] / 4
     with pytest.raises(UsageError, match="keeps the calibration it was made with"):
         encode_corpus(_passages(2, 200), Target.open(url), session, options)

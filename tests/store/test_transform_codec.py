@@ -312,6 +312,7 @@ def test_a_tc_store_reads_what_the_codec_decodes_per_passage(tmp_path):
     assert info["format_version"] == 3 and info["codec"] == "tc"
     tables = info["codec_tables"]
     assert tables["sha256"] == CAL.sha256 and tables["bytes"] == len(CAL.to_bytes())
+    assert tables["weighting"] == CAL.info.get("weighting") and tables["layer_steps"] is False
     assert (tmp_path / "s" / tables["file"]).read_bytes() == CAL.to_bytes()
 
 
