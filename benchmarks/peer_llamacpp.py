@@ -178,7 +178,6 @@ def ask(system: str, item: dict, k: int, urls: dict, max_tokens: int) -> dict:
 def inputs(args) -> tuple[dict[str, str], list[dict]]:
     """The int8 store of each set (built once) and the questions, each with the peer's prompts
     per k: our `text` plan's ids rendered as text."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from codec_fidelity import OFFLINE_FUSER, sample
 
     from cachegraft_cli.answering.ask import Asker
@@ -189,7 +188,7 @@ def inputs(args) -> tuple[dict[str, str], list[dict]]:
     ks = sorted({int(k) for k in args.k.split(",")} | {int(k) for k in args.four_k.split(",")})
     for name, file in SETS.items():
         passages, questions = sample(str(bc.QA_DATA / file), 200, 60, args.seed)  # codec_fidelity's stores
-        tag = f"{OFFLINE_FUSER.split(':', 1)[1]}"
+        tag = OFFLINE_FUSER.split(":", 1)[1]
         base = bc.WORK_DIR / f"fidelity-{tag}-{bc.DTYPE or 'auto'}-{name}-n{len(passages)}"
         stores[name] = f"{base}-int8"
         if not (Path(stores[name]) / "index").exists():

