@@ -17,6 +17,11 @@ against float32:
   teacher-forced under the codec: it changes exactly when some step's argmax differs);
 - stored bytes per token (manifest bytes, compressed) and the ratio to raw bf16.
 
+`weights:int8` and `weights:int4` are judged the same way: the lossless store, read by the
+receiver with weight-only int8 / int4 linears against the receiver as loaded, as `--weights`
+runs them: the question is read with the exact weights and the answer's tokens go through the
+quantised ones (so the question's own positions add KL 0; the answer's carry it all).
+
 Means come with a bootstrap 95% interval over questions (seeded). One forward pass per
 question, codec and k for the gold answer and one for the greedy answer; no generation but
 the lossless one.
@@ -52,7 +57,8 @@ def parse_args(argv):
                          "transform codec at those quantiser steps, calibrated on --calibration-store (-noentropy: "
                          "the same reconstruction with fixed-length symbols, its size counted, not written); "
                          "tc@STEP[vSTEP][...] the numpy probe (tc_probe.py); tcfile:PATH the transform codec with "
-                         "the calibration in PATH")
+                         "the calibration in PATH; weights:int8 / weights:int4 the receiver's weight-only "
+                         "int8 / int4 linears (cachegraft_cli/lm/weights.py) reading the lossless store")
     ap.add_argument("--calibration-store", default=None,
                     help="the store tc: codecs are calibrated on (default: the offline preset's calibration corpus, "
                          "benchmarks/calibration_corpus.py, encoded float32 here)")
@@ -78,7 +84,9 @@ def build_stores(name: str, passages, session, codecs: list[str], tag: str, args
     urls = {"float32": f"{base}-float32"}
     bc.ensure_store(urls["float32"], passages, session, codec="float32")
     sizes = {}
-    for codec in codecs:
+    for codec in [c for c in codecs if c.startswith("weights:")]:
+        sizes[codec] = bytes_per_token(urls["float32"])  # the lossless store, read by other weights
+    for codec in [c for c in codecs if not c.startswith("weights:")]:
         urls[codec] = f"{base}-{codec.replace('/', 'v')}" if not codec.startswith("tcfile:") else \
             f"{base}-tcfile-{os.path.basename(codec.split(':', 1)[1])}"
         if codec.startswith("tc@"):
@@ -160,6 +168,23 @@ def probe_store(src: str, dst: str, name: str) -> dict:
             "ratio": result["ratio"], "probe": result}
 
 
+_WEIGHTS: dict = {}
+
+
+def weight_variant(lm, codec: str):
+    """The receiver with `weights:SCHEME` linears (a copy, made once per scheme)."""
+    import copy
+    from dataclasses import replace
+
+    from cachegraft_cli.lm.weights import quantize_linears
+
+    if codec not in _WEIGHTS:
+        model = copy.deepcopy(lm.model)
+        quantize_linears(model, codec.split(":", 1)[1])
+        _WEIGHTS[codec] = replace(lm, model=model)
+    return _WEIGHTS[codec]
+
+
 def sample(path: str, per_set: int, distractors: int, seed: int):
     passages, questions = bc.squad_sample(per_set, seed, path=path)
     extra, _ = bc.squad_sample(10**9, seed + 1, path=path)
@@ -207,6 +232,29 @@ def log_probs(lm, prompts: list, conts: list[list[int]], chunk: int = 8) -> list
             length = len(p.ids) - (1 if n else 0)
             out.append(torch.log_softmax(logits[row, :length].float(), dim=-1))
     return out
+
+
+def decode_log_probs(lm, prompt, cont: list[int]):
+    """`log_probs` of one row as `--weights` gives them: `prompt` read with the exact weights,
+    then `cont` (but its last token) in one forward through the quantised ones."""
+    import torch
+
+    from cachegraft_cli.lm import kvcache
+    from cachegraft_cli.lm.weights import set_decode_rows
+
+    device, start = lm.device, prompt.positions[-1] + 1
+    with torch.inference_mode():
+        set_decode_rows(lm.model, 0)
+        first = lm.model(input_ids=torch.tensor([prompt.ids], device=device), use_cache=True,
+                         cache=kvcache.to_model_cache(prompt.past, lm.model.config),
+                         position_ids=torch.tensor([prompt.positions], device=device))
+        logits = [first.logits[0]]
+        if len(cont) > 1:
+            set_decode_rows(lm.model, 1 << 30)
+            logits.append(lm.model(input_ids=torch.tensor([cont[:-1]], device=device), cache=first.cache,
+                                   position_ids=torch.arange(start, start + len(cont) - 1, device=device)[None],
+                                   use_cache=True).logits[0])
+    return torch.log_softmax(torch.cat(logits).float(), dim=-1)
 
 
 def greedy_answer(lm, prompt) -> list[int]:
@@ -278,7 +326,8 @@ def run_set(name: str, path: str, args, session, codecs: list[str], ks: list[int
     passages, questions = sample(path, args.per_set, args.distractors, args.seed)
     questions = questions[: args.ask] if args.ask else questions
     same = {c: c.removesuffix("-noentropy") for c in codecs if c.endswith("-noentropy")}  # same reconstruction
-    run = [c for c in codecs if c not in same]
+    weighted = {c: weight_variant(session.receiver, c) for c in codecs if c.startswith("weights:")}
+    run = [c for c in codecs if c not in same and c not in weighted]
     urls, sizes = build_stores(name, passages, session, codecs, tag, args)
     askers = {c: Asker(u, session=session) for c, u in urls.items() if c not in same}
     lm, tok = session.receiver, session.tokenizer
@@ -299,6 +348,9 @@ def run_set(name: str, path: str, args, session, codecs: list[str], ks: list[int
             for n, codec in enumerate(run):
                 scores[(codec, k)].append(score(got[0], got[1 + 2 * n], got[2 + 2 * n], len(ref.ids), gold,
                                                 greedy, stops))
+            for codec, other in weighted.items():
+                mine = [decode_log_probs(other, ref, cont) for cont in (gold, greedy)]
+                scores[(codec, k)].append(score(got[0], mine[0], mine[1], len(ref.ids), gold, greedy, stops))
             for codec, base in same.items():
                 scores[(codec, k)].append(scores[(base, k)][-1])
         if (i + 1) % 25 == 0:

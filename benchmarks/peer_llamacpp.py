@@ -59,6 +59,7 @@ def parse_args(argv):
     ap.add_argument("--four-k", default="3,5", help="k values at more than 1 client")
     ap.add_argument("--four-every", type=int, default=1, help="at more than 1 client, every n-th question")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--weights", default="as-loaded", help="`cachegraft serve --weights`: as-loaded, int8 or int4")
     ap.add_argument("--threads", type=int, default=2, help="both servers' CPU threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write every figure and answer here")
@@ -116,10 +117,11 @@ def start_peer(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_ours(stores: dict[str, str], threads: int, max_tokens: int) -> tuple[subprocess.Popen, str]:
+def start_ours(stores: dict[str, str], threads: int, max_tokens: int,
+               weights: str = "as-loaded") -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "cachegraft_cli", "serve", "--port", str(port), "--max-new-tokens", str(max_tokens),
-           "--max-batch", "8", "--max-queue", "256", "--watch", "0"]
+           "--max-batch", "8", "--max-queue", "256", "--watch", "0", "--weights", weights]
     for name, url in stores.items():
         cmd += ["--store", f"{name}={url}"]
     env = {**os.environ, "PYTHONPATH": str(bc.REPO), "OMP_NUM_THREADS": str(threads)}
@@ -317,7 +319,8 @@ def report(rows: dict, agree: dict, same: float, args) -> None:
     table = [[s, k, c, r["answers"], f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}", f"{r['whole_p50']:.3f}",
               f"{r['decode_tok_s']:.1f}", f"{r['answers_per_s']:.3f}", f"{r['em']:.1f}", f"{r['f1']:.1f}"]
              for (s, k, c), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0]))]
-    bc.print_table(f"Text RAG on llama.cpp vs CacheGraft serve, {args.max_tokens} new tokens, greedy", headers, table)
+    bc.print_table(f"Text RAG on llama.cpp vs CacheGraft serve (--weights {args.weights}), "
+                   f"{args.max_tokens} new tokens, greedy", headers, table)
     print(f"peer tokenizer gives back our text prompt's ids: {100 * same:.1f}% of prompts")
     for (k, c), share in sorted(agree.items()):
         if share is not None:
@@ -347,7 +350,7 @@ def main(argv=None) -> int:
     warm, items = items[args.per_set], items[: args.per_set] + items[args.per_set + 1:]
     ks = [int(k) for k in args.k.split(",")]
     peer, peer_url = start_peer(pull.gguf_path(RECEIVER_NAME), args.threads)
-    ours, ours_url = start_ours(stores, args.threads, args.max_tokens)
+    ours, ours_url = start_ours(stores, args.threads, args.max_tokens, args.weights)
     urls = {"peer": peer_url, "ours": ours_url}
     try:
         same = same_tokens(peer_url, items)

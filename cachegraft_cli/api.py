@@ -111,24 +111,28 @@ def ask_options(options: AskOptions | None = None, **settings: Unpack[AskSetting
 class Store:
     """A cache store to ask (and append to). Models load on first use and stay loaded
     across questions; `warm()` loads them now. `sharer` names the model of the
-    `sharer-text` system when the store ran none; `device`/`dtype` override the defaults.
+    `sharer-text` system when the store ran none; `device`/`dtype` override the defaults;
+    `weights` "int8" or "int4" answers with the receiver's linears in weight-only int8 / int4
+    (CPU only: a faster decode step that changes answers a little, see docs/results.md).
 
     Every ask is checked here, once, before any model loads (`check_ask`): the questions,
     the options against the store's metadata, the context window."""
 
     def __init__(self, path: str | Path, *, sharer: str | None = None, device: str | None = None,
-                 dtype: str | None = None, index_kind: str | None = None, trust_remote_code: bool = False):
+                 dtype: str | None = None, index_kind: str | None = None, trust_remote_code: bool = False,
+                 weights: str | None = None):
         from cachegraft_cli.session import ModelOverrides
         from cachegraft_cli.store import CacheStore
 
         self.path = checks.location("store", path)
-        for name, value in (("sharer (--sharer)", sharer), ("device (--device)", device), ("dtype (--dtype)", dtype)):
+        for name, value in (("sharer (--sharer)", sharer), ("device (--device)", device), ("dtype (--dtype)", dtype),
+                            ("weights (--weights)", weights)):
             checks.optional_text(name, value)
         self._index_kind = check_index_kind(index_kind)
         checks.flag("trust_remote_code (--trust-remote-code)", trust_remote_code)
         CacheStore.check_exists(self.path)  # a missing store fails here, with its hint
-        # device, dtype and a local sharer are checked now, before anything loads
-        self._overrides = ModelOverrides(sharer, device, dtype, trust_remote_code).check()
+        # device, dtype, weights and a local sharer are checked now, before anything loads
+        self._overrides = ModelOverrides(sharer, device, dtype, trust_remote_code, weights).check()
         self._opened: Asker | None = None
         self._checked: tuple[AskOptions, set[str]] | None = None  # what `check_ask` passed last
 
@@ -238,10 +242,10 @@ class Store:
 
 
 def open_store(path: str | Path, *, sharer: str | None = None, device: str | None = None, dtype: str | None = None,
-               index_kind: str | None = None, trust_remote_code: bool = False) -> Store:
+               index_kind: str | None = None, trust_remote_code: bool = False, weights: str | None = None) -> Store:
     """Open a store to ask; see `Store` for the options."""
     return Store(path, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
-                 trust_remote_code=trust_remote_code)
+                 trust_remote_code=trust_remote_code, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -387,17 +391,17 @@ def index(store: str | Path, kind: str = "bm25", embedder: str | None = None, re
 
 def ask(question: str, store: str | Path, options: AskOptions | None = None, *, sharer: str | None = None,
         device: str | None = None, dtype: str | None = None, index_kind: str | None = None,
-        trust_remote_code: bool = False, **settings: Unpack[AskSettings]) -> Answer:
+        trust_remote_code: bool = False, weights: str | None = None, **settings: Unpack[AskSettings]) -> Answer:
     """Answer one question from a store (models loaded for this call only; keep a `Store` to reuse them)."""
     ask_options(options, **settings)  # the options first, as the CLI does; the question in `Store.ask`
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, weights=weights)
     return opened.ask(question, options, **settings)
 
 
 def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | None = None, *,
              batch_size: int = 8, sharer: str | None = None, device: str | None = None, dtype: str | None = None,
-             index_kind: str | None = None, trust_remote_code: bool = False,
+             index_kind: str | None = None, trust_remote_code: bool = False, weights: str | None = None,
              **settings: Unpack[AskSettings]) -> list[Answer]:
     """Answer many questions from a store, decoded in batches."""
     ask_options(options, **settings)
@@ -405,5 +409,5 @@ def ask_many(questions: Iterable[str], store: str | Path, options: AskOptions | 
     # the list now, its items by the Store (once)
     questions = checks.listed("questions", questions, example='["Who founded the town?", "When?"]')
     opened = open_store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, weights=weights)
     return opened.ask_many(questions, options, batch_size=batch_size, **settings)

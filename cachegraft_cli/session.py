@@ -26,6 +26,7 @@ class ModelChoice:
     dtype: str | None = None
     trust_remote_code: bool = False
     instruction: str = DEFAULT_INSTRUCTION
+    weights: str = "as-loaded"  # the receiver's, when it answers (never recorded: caches are not made with it)
 
     def __post_init__(self):
         # A local model or fuser is recorded in the store by absolute path, so `ask` finds it from
@@ -69,13 +70,16 @@ class ModelOverrides:
     device: str | None = None
     dtype: str | None = None
     trust_remote_code: bool = False
+    weights: str | None = None  # the receiver's: as-loaded, int8 or int4 (`lm/weights.py`)
 
     def check(self) -> ModelOverrides:
-        """Device, dtype and a local sharer checked without loading anything (typed errors)."""
+        """Device, dtype, weights and a local sharer checked without loading anything (typed errors)."""
         from cachegraft_cli.lm.models import check_device, check_dtype, resolve_source
+        from cachegraft_cli.lm.weights import check_weights
 
         check_device(self.device)
         check_dtype(self.dtype)
+        check_weights(self.weights, self.device)
         sharer = _absolute(self.sharer)  # recorded and compared by absolute path, as `ModelChoice`'s
         if sharer:
             resolve_source(sharer)
@@ -101,7 +105,7 @@ class ModelSession:
 
     @cached_property
     def receiver(self):
-        return self._load(self.choice.receiver)
+        return self._load(self.choice.receiver, self.choice.weights)
 
     @cached_property
     def fuser(self):
@@ -137,11 +141,12 @@ class ModelSession:
 
         return PromptTemplate.for_tokenizer(self.tokenizer, self.choice.instruction)
 
-    def _load(self, spec: str):
+    def _load(self, spec: str, weights: str = "as-loaded"):
         from cachegraft_cli.lm.models import load_causal_lm
 
         c = self.choice
-        return load_causal_lm(spec, device=c.device, dtype=c.dtype, trust_remote_code=c.trust_remote_code)
+        return load_causal_lm(spec, device=c.device, dtype=c.dtype, trust_remote_code=c.trust_remote_code,
+                              weights=weights)
 
     def fusion(self):
         """The passage fusion (built once): the sharer loads only for an open fuser."""
@@ -299,7 +304,8 @@ def session_for_store(store, overrides: ModelOverrides | None = None) -> ModelSe
     choice = replace(stored_choice(ident), fuser=None, dtype=None)
     if overrides is not None:  # --sharer names the sharer-text model when the store ran none (closed fuser)
         choice = replace(choice, sharer=overrides.sharer or choice.sharer, device=overrides.device,
-                         dtype=overrides.dtype or ident["dtype"], trust_remote_code=overrides.trust_remote_code)
+                         dtype=overrides.dtype or ident["dtype"], trust_remote_code=overrides.trust_remote_code,
+                         weights=overrides.weights or "as-loaded")
     else:
         choice = replace(choice, dtype=ident["dtype"])
     session = ModelSession(choice)

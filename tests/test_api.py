@@ -208,6 +208,8 @@ BAD_CALLS = [
     ("open-index-kind-unknown", _open(index_kind="bogus"), "index_kind"),
     ("open-index-kind-int", _open(index_kind=1), "index_kind"),
     ("open-trust-remote-code-str", _open(trust_remote_code="yes"), "trust_remote_code"),
+    ("open-weights-int", _open(weights=3), "weights"),
+    ("open-weights-unknown", _open(weights="int3"), "weights"),
     # Store.ask: every argument
     ("ask-question-none", _ask(None), "question"),
     ("ask-question-int", _ask(3), "question"),

@@ -19,6 +19,7 @@ from cachegraft_cli.cli.options import (
     StoreOpt,
     TopKOpt,
     TrustOpt,
+    WeightsOpt,
 )
 from cachegraft_cli.cli.output import emit_json, log
 
@@ -52,6 +53,7 @@ def ask(
     sharer: SharerOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     server: Annotated[Optional[str], typer.Option(envvar="CACHEGRAFT_SERVER",
@@ -78,7 +80,7 @@ def ask(
     check_index_kind(index_kind)
     items = read_questions(questions) if questions is not None else []
     if server:
-        _refuse_model_options(sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
+        _refuse_model_options(sharer=sharer, device=device, dtype=dtype, weights=weights, index_kind=index_kind,
                               trust_remote_code=trust_remote_code or None)
         _ask_server(server, api_key, store, question, items, options, json_out, show_passages, batch_size)
         return
@@ -88,7 +90,7 @@ def ask(
     from cachegraft_cli.cli.output import showing_status
 
     graft = Store(store, sharer=sharer, device=device, dtype=dtype, index_kind=index_kind,
-                  trust_remote_code=trust_remote_code)
+                  trust_remote_code=trust_remote_code, weights=weights)
     graft.check_ask([q for _, q in items] if question is None else [question], options, note=log)
     batch = questions is not None
     with showing_status(json_out or batch):

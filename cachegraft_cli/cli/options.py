@@ -21,6 +21,9 @@ FuserOpt = Annotated[
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1, mps (default: best available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default: by device).")]
+WeightsOpt = Annotated[Optional[str], typer.Option(
+    "--weights", help="The receiver's weights when answering: as-loaded (default), int8 or int4 (CPU only; "
+                      "a faster decode that changes answers a little, see docs/results.md).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own code.")]
 BatchOpt = Annotated[
     int, typer.Option("--batch-size", "-b", help="Passages or questions per forward pass (1 to 4096).")

@@ -17,6 +17,7 @@ from cachegraft_cli.cli.options import (
     SharerOpt,
     TopKOpt,
     TrustOpt,
+    WeightsOpt,
 )
 from cachegraft_cli.cli.output import log
 
@@ -59,6 +60,7 @@ def serve(
     sharer: SharerOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Serve stores over HTTP: OpenAI-compatible chat completions, /v1/ask, /v1/retrieve (models load once)."""
@@ -81,7 +83,7 @@ def serve(
                          WorkerOptions(max_queue=max_queue, max_batch=max_batch, gather_seconds=batch_wait / 1000,
                                         watch_seconds=watch),
                          Timeouts(headers=header_timeout, body=body_timeout, shutdown=shutdown_timeout),
-                         sharer, device, dtype, index_kind, trust_remote_code)
+                         sharer, device, dtype, index_kind, trust_remote_code, weights)
     with showing_status(False):
         drained = run_server(config, log, _announce)
     log("stopped: every request in flight was answered." if drained else

@@ -107,7 +107,7 @@ def _select(block, rows: list[int], config) -> _Block:
         first = int(mask.any(dim=0).nonzero()[0]) if mask.any() else 0
         kv, mask = kvcache.slice_tokens(kv, first, mask.shape[1]), mask[:, first:]
         kv = [(k.contiguous(), v.contiguous()) for k, v in kv]
-    return _Block(kvcache.to_model_cache(kv, config), mask, block.positions[index])
+    return _Block(kvcache.to_decode_cache(kv, config), mask, block.positions[index])
 
 
 def _merge(a: _Block, b: _Block, config) -> _Block:
@@ -122,7 +122,7 @@ def _merge(a: _Block, b: _Block, config) -> _Block:
         mask = None
     else:
         mask = torch.cat([_pad_left(_mask_of(a, len_a), width), _pad_left(_mask_of(b, len_b), width)])
-    return _Block(kvcache.to_model_cache(kv, config), mask, torch.cat([a.positions, b.positions]))
+    return _Block(kvcache.to_decode_cache(kv, config), mask, torch.cat([a.positions, b.positions]))
 
 
 def _mask_of(block: _Block, length: int) -> torch.Tensor:

@@ -185,7 +185,7 @@ class Stepper:
 
     def __init__(self, lm, prompt: Prompt):
         self.lm, self.prompt = lm, prompt
-        self.cache = kvcache.to_model_cache(prompt.past, lm.model.config) if prompt.past else None
+        self.cache = kvcache.to_decode_cache(prompt.past, lm.model.config)
         self.position = prompt.end_position
         self.mask: torch.Tensor | None = None
 
@@ -290,7 +290,7 @@ def prefill_batch(lm, prompts: list[Prompt]):
     ids, positions, qmask = _pad_inputs(prompts, lm.tokenizer.pad_token_id or 0)
     for row, p in enumerate(prompts):  # hidden slots move right by the row's left padding
         past_mask[row, [past_mask.shape[1] - p.past_tokens + h for h in p.hidden]] = 0
-    step = _BatchStepper(lm, kvcache.to_model_cache(past, lm.model.config) if past else None, past_mask)
+    step = _BatchStepper(lm, kvcache.to_decode_cache(past, lm.model.config), past_mask)
     if any(p.visible is not None for p in prompts):
         logits = step.first(ids, positions, qmask, _batch_visibility(prompts, past_mask, qmask))
     else:

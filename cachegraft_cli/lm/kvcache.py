@@ -8,8 +8,9 @@ the model stores them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,60 @@ def to_model_cache(kv: PlainKV, config=None):
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=[(k, v) for k, v in kv], config=config)
+
+
+def to_decode_cache(kv: PlainKV | None, config):
+    """A cache to decode into: `to_model_cache`'s, with each full-attention layer a growing one
+    (`growing_layer_class`). For inference only; `kv` None starts empty."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    grow = growing_layer_class()
+    layers: list[Any] = [grow() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = layers
+    for layer, (k, v) in zip(layers, kv or []):
+        layer.update(k, v)
+    return cache
+
+
+@functools.cache
+def growing_layer_class():
+    """A `DynamicLayer` that appends into spare room (built on first use: transformers loads lazily).
+
+    transformers' own concatenates the whole layer with each new token: 48 copies of the cache
+    per decode step, 3.5-4 ms of a 45 ms step of the 0.5B receiver at 600 cached tokens
+    (2026-12-06, AVX512-BF16). Here `keys` and `values` are views of the first slots of a buffer
+    with `ROOM` slots more. Code that replaces them (crop, batch selection) is noticed by the
+    data pointer and gets a new buffer; a crop that keeps the pointer is overwritten in place,
+    which is what a crop means."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        ROOM = 128
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, new = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
+            room = getattr(self, "room", None)
+            if (room is None or room[0].data_ptr() != self.keys.data_ptr() or n + new > room[0].shape[-2]
+                    or room[0].shape[:-2] != key_states.shape[:-2]):
+                room = self.room = self.allocate(n, key_states, value_states)
+            room[0][..., n: n + new, :] = key_states
+            room[1][..., n: n + new, :] = value_states
+            self.keys, self.values = room[0][..., : n + new, :], room[1][..., : n + new, :]
+            return self.keys, self.values
+
+        def allocate(self, n: int, key_states, value_states):
+            slots = n + key_states.shape[-2] + self.ROOM
+            keys = key_states.new_empty((*key_states.shape[:-2], slots, key_states.shape[-1]))
+            values = value_states.new_empty((*value_states.shape[:-2], slots, value_states.shape[-1]))
+            if n:
+                keys[..., :n, :], values[..., :n, :] = self.keys, self.values
+            return keys, values
+
+    return GrowingLayer
 
 
 def num_tokens(kv: PlainKV) -> int:

@@ -157,12 +157,21 @@ def load_causal_lm(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    weights: str = "as-loaded",
 ) -> LoadedModel:
-    """Load a model and tokenizer in eval mode on the chosen device and dtype."""
+    """Load a model and tokenizer in eval mode on the chosen device and dtype; `weights` int8 or
+    int4 converts its linear layers to weight-only int8 / int4 (CPU, see `weights.py`)."""
     from cachegraft_cli.progress import loading
 
-    with loading(f"loading {_short(spec)}"):
-        return _load_causal_lm(spec, device, dtype, trust_remote_code, revision)
+    with loading(f"loading {_short(spec)}" + ("" if weights == "as-loaded" else f" ({weights} weights)")):
+        lm = _load_causal_lm(spec, device, dtype, trust_remote_code, revision)
+        if weights != "as-loaded":
+            from cachegraft_cli.lm.weights import check_weights, quantize_linears
+
+            check_weights(weights, str(lm.device))
+            quantize_linears(lm.model, weights)
+            lm.identity["weights"] = weights  # the fingerprint stays the loaded model's (same store)
+        return lm
 
 
 def _short(spec: str) -> str:
@@ -181,9 +190,11 @@ def _load_causal_lm(spec: str, device, dtype, trust_remote_code: bool, revision)
     tokenizer = _load(lambda: _auto_tokenizer(source, kwargs), spec, kind)
     model = _load(lambda: _auto_model(source, torch_dtype, kwargs), spec, kind)
     model.to(device).eval()
+    from cachegraft_cli.lm import gqa
     from cachegraft_cli.lm.onednn import route_linears
 
     route_linears(model)  # large float32 CPU layers through oneDNN (see onednn.py)
+    gqa.install(model)  # one-token GQA attention packed per KV head (see gqa.py)
     return LoadedModel(spec, model, tokenizer, model_identity(spec, source, gguf, kind, model))
 
 

@@ -51,6 +51,7 @@ class ServeOptions:
     dtype: str | None = None
     index_kind: str | None = None
     trust_remote_code: bool = False
+    weights: str | None = None
 
 
 def parse_stores(specs: list[str]) -> dict[str, str]:
@@ -89,7 +90,7 @@ def check(config: ServeOptions):
         raise UsageError("--header-timeout and --body-timeout must be above 0, --shutdown-timeout at least 0.", "")
     check_api_key(config.api_key)
     return ModelOverrides(config.sharer, device=config.device, dtype=config.dtype,
-                          trust_remote_code=config.trust_remote_code).check()
+                          trust_remote_code=config.trust_remote_code, weights=config.weights).check()
 
 
 def check_api_key(key: str | None) -> str | None:

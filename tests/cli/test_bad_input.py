@@ -234,6 +234,8 @@ CASES = [
     Case("ask-k-zero", _ask("why?", "-k", "0"), 2, "k (-k) must be a whole number of at least 1; got 0"),
     Case("ask-batch-huge", _ask("why?", "-b", "1000000000"), 2, "batch_size (--batch-size)"),
     Case("ask-device", _ask("why?", "--device", "cuda:7"), 2, "device 'cuda:7'"),
+    Case("ask-weights", _ask("why?", "--weights", "int3"), 2, "unknown weights 'int3'"),
+    Case("ask-weights-off-cpu", _ask("why?", "--weights", "int4", "--device", "cuda"), 2, "device 'cuda'"),
     Case("ask-max-new-tokens-zero", _ask("why?", "--max-new-tokens", "0"), 2, "max_new_tokens (--max-new-tokens)"),
     Case("ask-temperature-negative", _ask("why?", "--temperature", "-1"), 2, "temperature (--temperature)"),
     Case("ask-temperature-tiny", _ask("why?", "--temperature", "1e-9"), 2, "0 (greedy) or at least 0.001"),

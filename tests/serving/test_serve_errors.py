@@ -122,6 +122,9 @@ def test_ask_server_errors_are_the_cli_errors(live, capsys, monkeypatch):
     assert code == 16 and "cachegraft serve" in err
     code, _, err = run_cli(capsys, monkeypatch, "ask", "x?", "--store", "docs", "--server", live.url, "--device", "cpu")
     assert code == 2 and "cachegraft serve" in err
+    code, _, err = run_cli(capsys, monkeypatch, "ask", "x?", "--store", "docs", "--server", live.url,
+                           "--weights", "int8")
+    assert code == 2 and "--weights" in err and "cachegraft serve" in err
 
 
 def test_serve_refuses_bad_options_before_loading(store, tmp_path, capsys, monkeypatch):
@@ -133,6 +136,8 @@ def test_serve_refuses_bad_options_before_loading(store, tmp_path, capsys, monke
     assert code == 2 and "NAME=DIR" in err
     code, _, err = run_cli(capsys, monkeypatch, "serve", "--store", store, "-k", 30)
     assert code == 2 and "--max-k" in err
+    code, _, err = run_cli(capsys, monkeypatch, "serve", "--store", store, "--weights", "int2")
+    assert code == 2 and "unknown weights 'int2'" in err and "int4" in err
     with LiveServer({"docs": store}) as taken:
         port = taken.url.rsplit(":", 1)[1]
         code, _, err = run_cli(capsys, monkeypatch, "serve", "--store", store, "--port", port)

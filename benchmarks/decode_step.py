@@ -1,0 +1,146 @@
+"""The receiver's decode step on CPU: where its time goes, and what each lever buys (real model).
+
+One model load, then copies of it, each with a lever more, timed side by side and interleaved:
+
+- `sdpa`: transformers' own SDPA attention (one-token GQA through `enable_gqa`);
+- `as-loaded`: what `load_causal_lm` gives (one-token GQA packed, `cachegraft_cli/lm/gqa.py`);
+- `int8`, `int4`: the same with weight-only int8 / int4 linears (`cachegraft_cli/lm/weights.py`).
+
+Each variant reads the same prompt (README text as a stand-in for retrieved passages, at each
+--context length), then decodes --steps tokens one at a time as `generate` does; the median
+step time is reported. A torch profile of each variant splits the step into its linears,
+attention, KV-cache concatenation, other ops, and the Python between them (wall minus ops).
+
+    python benchmarks/decode_step.py [--context 150,700] [--steps 32] [--rounds 3]
+                                     [--variants sdpa,as-loaded,int8,int4] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import bench_common as bc
+
+GROUPS = {"linear": ("mm", "addmm", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_linear_pointwise"),
+          "attention": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math", "bmm"),
+          "cache cat": ("cat",)}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", default="150,700", help="prompt tokens before decoding (comma list)")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="sdpa,as-loaded,int8,int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-profile", action="store_true")
+    return ap.parse_args(argv)
+
+
+def variants(lm, names: list[str]) -> dict:
+    """name -> (LoadedModel copy, seconds its conversion took)."""
+    from dataclasses import replace
+
+    from cachegraft_cli.lm.weights import quantize_linears
+
+    out = {}
+    for name in names:
+        model = copy.deepcopy(lm.model)
+        t0 = time.perf_counter()
+        if name == "sdpa":
+            model.set_attn_implementation("sdpa")
+        elif name in ("int8", "int4"):
+            quantize_linears(model, name)
+        out[name] = (replace(lm, model=model), time.perf_counter() - t0)
+    return out
+
+
+def steps(lm, ids: list[int], n: int) -> list[float]:
+    """Seconds of each of `n` one-token decode steps after reading `ids`."""
+    import torch
+
+    from cachegraft_cli.lm.generation import Prompt, Stepper
+
+    times = []
+    with torch.inference_mode():
+        step = Stepper(lm, Prompt.plain(None, ids, 0))
+        step.first()
+        for i in range(n):
+            t0 = time.perf_counter()
+            step([1000 + i])
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def profile(lm, ids: list[int], n: int) -> dict:
+    """Milliseconds per step by op group, and the Python between ops (wall minus ops)."""
+    import torch
+    from torch.profiler import profile as torch_profile
+
+    from cachegraft_cli.lm.generation import Prompt, Stepper
+
+    with torch.inference_mode():
+        step = Stepper(lm, Prompt.plain(None, ids, 0))
+        step.first()
+        with torch_profile() as prof:
+            t0 = time.perf_counter()
+            for i in range(n):
+                step([1000 + i])
+            wall = time.perf_counter() - t0
+    out = dict.fromkeys([*GROUPS, "other ops"], 0.0)
+    total = 0.0
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / n
+        total += ms
+        group = next((g for g, ops in GROUPS.items() if event.key.removeprefix("aten::") in ops), "other ops")
+        out[group] += ms
+    out["python"] = max(wall * 1e3 / n - total, 0.0)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bc.set_threads(args.threads)
+    from cachegraft_cli.lm.models import load_causal_lm
+
+    start = bc.machine()
+    lm = load_causal_lm(bc.RECEIVER, dtype=bc.DTYPE)
+    names = [v for v in args.variants.split(",") if v]
+    models = variants(lm, names)
+    text = (bc.REPO / "README.md").read_text()
+    contexts = [int(c) for c in args.context.split(",")]
+    all_ids = lm.tokenizer(text)["input_ids"]
+    timings: dict = {(v, c): [] for v in names for c in contexts}
+    for _ in range(args.rounds):
+        for c in contexts:
+            for v in names:  # interleaved: every variant sees the same machine state
+                timings[(v, c)] += steps(models[v][0], all_ids[:c], args.steps)
+    rows, figures = [], {}
+    for c in contexts:
+        base = statistics.median(timings[(names[0], c)])
+        for v in names:
+            ms = statistics.median(timings[(v, c)]) * 1e3
+            figures[f"{v}@{c}"] = {"step_ms": ms, "tokens_per_s": 1e3 / ms, "convert_s": models[v][1]}
+            rows.append([c, v, f"{ms:.1f}", f"{1e3 / ms:.1f}", f"{base * 1e3 / ms:.2f}x", f"{models[v][1]:.1f}"])
+    bc.print_table(f"Decode step, median of {args.rounds} x {args.steps} steps, {lm.dtype}, {args.threads} threads",
+                   ["context", "variant", "ms/step", "tok/s", f"vs {names[0]}", "convert s"], rows)
+    if not args.no_profile:
+        prof_rows = []
+        for v in names:
+            split = profile(models[v][0], all_ids[: contexts[-1]], args.steps)
+            figures[f"{v}@{contexts[-1]}"]["profile_ms"] = split
+            prof_rows.append([v, *(f"{split[g]:.1f}" for g in split)])
+        bc.print_table(f"Where a step goes at context {contexts[-1]} (ms/step, under the profiler)",
+                       ["variant", *GROUPS, "other ops", "python"], prof_rows)
+    print(f"machine at start: {start}; at end: loadavg {bc.machine()['loadavg']}")
+    bc.emit({"bench": "decode_step", "dtype": str(lm.dtype), "figures": figures, "machine_start": start,
+             "machine_end": bc.machine()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

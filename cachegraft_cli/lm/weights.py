@@ -1,0 +1,167 @@
+"""Weight-only int8 and int4 linear layers for answering on CPU.
+
+A decode step reads every weight of the receiver once for one token, so on a CPU it is bound by
+memory bandwidth: the 0.5B receiver's bf16 linears are ~1 GB a token (its 151,936 x 896 output
+layer alone 272 MB). Storing weights in int8 (one scale per output row) halves that; int4 in
+groups of 32 input weights (a scale and a zero point each) quarters it. The activations stay in
+the model's dtype and torch's own CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) dequantise on the fly.
+
+Those kernels are matrix-vector kernels: on more than a few rows they are 2-4x slower than the
+dense bf16 GEMM (a question's ~20 tokens, a text prompt's 700), and prefill is compute-bound, not
+memory-bound. So each layer keeps its dense weight too and takes the quantised path only for
+forwards of at most `DECODE_ROWS` rows: decode steps (a batch of up to `DECODE_ROWS` answers).
+Prompts are read with the exact weights; only the tokens an answer generates go through the
+quantised ones. The model takes more memory, not less: the quantised copies come on top
+(+50% of the linears' bytes for int8, about +30% for int4).
+
+These change answers a little, so they are opt-in (`--weights`), and their cost is measured
+the way a cache codec's is: KL and answer flips against the model as loaded
+(`benchmarks/codec_fidelity.py --codecs weights:int8,weights:int4`, docs/results.md).
+Only the layers that answering runs are converted, and only on CPU; the model's embedding
+table stays as loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCHEMES = ("as-loaded", "int8", "int4")
+INT4_GROUP = 32  # input weights per int4 scale and zero point (llama.cpp's block size)
+DECODE_ROWS = 8  # forwards of at most this many rows take the quantised kernels
+
+
+def available(scheme: str) -> bool:
+    """Whether this torch build has the CPU kernel `scheme` needs."""
+    op = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}.get(scheme)
+    return op is None or hasattr(torch, op)
+
+
+def check_weights(scheme: str | None, device: str | None = None) -> None:
+    """Refuse an unknown scheme, or a quantised one off the CPU or without its kernel (typed errors),
+    before anything loads. `device` None is the one `pick_device` would choose."""
+    from cachegraft_cli.errors import UsageError
+
+    if scheme is None or scheme == "as-loaded":
+        return
+    if scheme not in SCHEMES:
+        raise UsageError(f"unknown weights {scheme!r}.", "Use as-loaded, int8 or int4.")
+    from cachegraft_cli.lm.models import pick_device
+
+    where = pick_device(device)
+    if torch.device(where).type != "cpu":
+        raise UsageError(f"--weights {scheme} runs on CPU only, and the receiver would load on {where}.",
+                         "Add --device cpu, or leave --weights out on a GPU.")
+    if not available(scheme):
+        raise UsageError(f"this torch {torch.__version__} has no CPU kernel for {scheme} weights.",
+                         "Leave --weights out, or install the pinned torch (pip install -e .).")
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights and one scale per output row (symmetric)."""
+
+    decode_rows = DECODE_ROWS  # `set_decode_rows` changes it per model
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        parts = [_int8_rows(rows) for rows in _row_chunks(linear.weight)]
+        self.register_buffer("qweight", torch.cat([q for q, _ in parts]))
+        self.register_buffer("scales", torch.cat([s for _, s in parts]).to(linear.weight.dtype))
+        self.dense, self.bias = linear, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > self.decode_rows:
+            return self.dense(x)
+        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)  # `.to` costs ~5 us a call
+        y = torch._weight_int8pack_mm(flat, self.qweight, scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(torch.nn.Module):
+    """A linear layer with int4 weights, a scale and a zero point per `INT4_GROUP` inputs
+    (asymmetric, the group's range mapped onto 0..15)."""
+
+    decode_rows = DECODE_ROWS
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
+        parts = [_int4_rows(rows, group) for rows in _row_chunks(linear.weight)]
+        self.register_buffer("packed", torch.cat([p for p, _ in parts]))
+        # (groups, rows, 2) as the kernel takes them
+        self.register_buffer("scales_zeros", torch.cat([sz for _, sz in parts], dim=1).to(linear.weight.dtype))
+        self.dense, self.bias = linear, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > self.decode_rows:
+            return self.dense(x)
+        sz = self.scales_zeros if self.scales_zeros.dtype == x.dtype else self.scales_zeros.to(x.dtype)
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, sz)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTISED = (Int8Linear, Int4Linear)  # their `dense` layer stays as it is
+
+
+def set_decode_rows(model: torch.nn.Module, rows: int) -> int:
+    """Forwards of at most `rows` rows take the quantised kernels in `model` from now on (0: none
+    does, a huge number: every one); how many layers were set. For measuring (the fidelity
+    benchmark reads a prompt with the exact weights and forces its answer through the quantised
+    ones, as decoding would)."""
+    layers = [m for m in model.modules() if isinstance(m, QUANTISED)]
+    for layer in layers:
+        layer.decode_rows = rows
+    return len(layers)
+
+
+def _row_chunks(weight: torch.Tensor, rows: int = 8192):
+    """The weight's rows `rows` at a time, as float32: the conversion's temporaries stay small (the
+    0.5B receiver's output layer is 151,936 rows) and the int4 packing is row-separable."""
+    for at in range(0, weight.shape[0], rows):
+        yield weight.detach()[at: at + rows].float()
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def _int4_rows(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    grouped = w.view(rows, cols // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale  # the kernel dequantises (q - 8) * scale + zero: zero is the value of q = 8
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.view(rows, cols), 1)
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1)
+
+
+def convertible(linear: torch.nn.Module, scheme: str) -> bool:
+    # a subclass too: on CPUs without bf16 the large float32 layers are `onednn.OneDnnLinear`
+    if not isinstance(linear, torch.nn.Linear) or linear.weight.device.type != "cpu":
+        return False
+    # the int4 kernel packs output rows 16 at a time and needs whole groups of inputs
+    return scheme != "int4" or (linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0)
+
+
+def quantize_linears(model: torch.nn.Module, scheme: str) -> int:
+    """Replace every plain CPU `nn.Linear` of `model` by its `scheme` counterpart (in place);
+    how many were replaced. `as-loaded` changes nothing."""
+    if scheme == "as-loaded":
+        return 0
+    make = {"int8": Int8Linear, "int4": Int4Linear}[scheme]
+    swaps = [(parent, name, child) for parent in model.modules() if not isinstance(parent, QUANTISED)
+             for name, child in parent.named_children() if convertible(child, scheme)]
+    for parent, name, child in swaps:
+        setattr(parent, name, make(child))
+    return len(swaps)

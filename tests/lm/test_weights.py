@@ -1,0 +1,120 @@
+"""Weight-only int8 / int4 linears (`lm/weights.py`): what they compute, what they convert, and the
+option's path from `open_store(weights=...)` to the loaded receiver (tiny models)."""
+
+import pytest
+import torch
+
+import cachegraft_cli as cg
+from cachegraft_cli.errors import UsageError
+from cachegraft_cli.lm import weights
+from cachegraft_cli.lm.weights import INT4_GROUP, Int4Linear, Int8Linear, check_weights, quantize_linears
+
+pytestmark = pytest.mark.skipif(not (weights.available("int8") and weights.available("int4")),
+                                reason="this torch build lacks the weight-only CPU kernels")
+
+
+def _int8_reference(w: torch.Tensor) -> torch.Tensor:
+    scale = w.abs().amax(1, keepdim=True) / 127
+    return torch.round(w / scale) * scale
+
+
+def _int4_reference(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    g = w.view(w.shape[0], -1, group)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    return (torch.round((g - low) / step).clamp(0, 15) * step + low).view_as(w)
+
+
+@pytest.mark.parametrize("cls, reference", [(Int8Linear, _int8_reference), (Int4Linear, _int4_reference)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_computes_with_its_dequantised_weights(cls, reference, dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 48).to(dtype)
+    x = torch.randn(2, weights.DECODE_ROWS // 2, 96, dtype=dtype)  # a decode step of a batch
+    layer = cls(linear)
+    got = layer(x)
+    want = x.float() @ reference(linear.weight.float()).t() + linear.bias.float()
+    assert got.shape == (*x.shape[:2], 48) and got.dtype == dtype
+    prompt = torch.randn(1, weights.DECODE_ROWS + 1, 96, dtype=dtype)  # more rows: the exact weights
+    assert torch.equal(layer(prompt), linear(prompt))
+    # the kernels dequantise to the activations' dtype: float32 agrees to rounding, bf16 to its 8 bits
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_quantisation_error_is_bounded():
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    x = torch.randn(weights.DECODE_ROWS, 256)
+    with torch.no_grad():
+        exact = linear(x)
+        rel = {cls.__name__: float((cls(linear)(x) - exact).norm() / exact.norm()) for cls in (Int8Linear, Int4Linear)}
+    assert 0 < rel["Int8Linear"] < 0.01 and rel["Int8Linear"] < rel["Int4Linear"] < 0.1, rel
+
+
+def test_quantize_linears_converts_what_the_kernels_take():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 24),
+                                torch.nn.Linear(48, 16))
+    assert quantize_linears(model, "as-loaded") == 0 and type(model[0]) is torch.nn.Linear
+    # int4: 24 outputs are not a multiple of the kernel's 16, 48 inputs not whole groups of 32
+    assert quantize_linears(model, "int4") == 1
+    assert [type(m) for m in model] == [Int4Linear, torch.nn.ReLU, torch.nn.Linear, torch.nn.Linear]
+    assert quantize_linears(model, "int4") == 0  # a converted layer's dense twin is not converted again
+    other = torch.nn.Sequential(torch.nn.Linear(48, 24), torch.nn.Linear(24, 16))
+    assert quantize_linears(other, "int8") == 2 and all(type(m) is Int8Linear for m in other)
+
+
+def test_onednn_layers_are_converted_too():
+    from cachegraft_cli.lm import onednn
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    model[0].__class__ = onednn.OneDnnLinear  # what `route_linears` makes of large float32 layers
+    assert quantize_linears(model, "int8") == 1 and type(model[0]) is Int8Linear
+
+
+@pytest.mark.parametrize("scheme, device, words", [("int3", None, "unknown weights"),
+                                                   ("int8", "cuda", "CPU only"), ("int4", "cuda:1", "CPU only")])
+def test_check_weights_refuses(scheme, device, words):
+    with pytest.raises(UsageError) as err:
+        check_weights(scheme, device)
+    assert words in err.value.message and err.value.hint
+    check_weights("as-loaded", "cuda")  # as loaded runs anywhere
+    check_weights(None, None)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_receiver_decodes_with_quantised_weights(tiny_dirs, scheme):
+    from cachegraft_cli.lm.generation import GenerationOptions, Prompt, generate
+    from cachegraft_cli.lm.models import load_causal_lm
+
+    plain = load_causal_lm(str(tiny_dirs["receiver"]), device="cpu", dtype="float32")
+    lm = load_causal_lm(str(tiny_dirs["receiver"]), device="cpu", dtype="float32", weights=scheme)
+    kind = Int8Linear if scheme == "int8" else Int4Linear
+    layers = [m for m in lm.model.modules() if isinstance(m, kind)]
+    assert len(layers) == sum(type(m) is torch.nn.Linear for m in plain.model.modules())  # every one, lm_head too
+    assert lm.identity["weights"] == scheme and lm.identity["fingerprint"] == plain.identity["fingerprint"]
+    ids = list(range(5, 30))
+    with torch.inference_mode():  # a prompt reads the exact weights; a few rows, the quantised ones
+        assert torch.equal(plain.model(torch.tensor([ids])).logits, lm.model(torch.tensor([ids])).logits)
+        short = torch.tensor([ids[:4]])
+        a, b = plain.model(short).logits.float(), lm.model(short).logits.float()
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert not torch.equal(a, b) and cos > (0.999 if scheme == "int8" else 0.85), float(cos)
+    out = generate(lm, Prompt.plain(None, ids, 0), GenerationOptions(max_new_tokens=6))
+    assert len(out.token_ids) > 0
+
+
+def test_store_answers_with_the_weights_asked_for(tiny_dirs, tmp_path, monkeypatch):
+    import cachegraft_cli.lm.models as models
+
+    path = tmp_path / "store"
+    cg.encode([{"id": "a", "text": "Harbor town was founded in 1820 by fishermen."}], path,
+              models=cg.Models(receiver=str(tiny_dirs["receiver"]), dtype="float32"))
+    cg.index(path)
+    loaded = []
+    real = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda spec, **kw: loaded.append(real(spec, **kw)) or loaded[-1])
+    answer = cg.open_store(path, device="cpu", weights="int8").ask("who founded harbor town?", k=1, max_new_tokens=3)
+    assert answer.sources[0].id == "a" and answer.tokens["generated"] > 0
+    assert [lm.identity.get("weights") for lm in loaded] == ["int8"]  # the receiver, converted
+    assert any(isinstance(m, Int8Linear) for m in loaded[0].model.modules())
