@@ -2,9 +2,12 @@
 
 One model load, then copies of it, each with a lever more, timed side by side and interleaved:
 
-- `sdpa`: transformers' own SDPA attention (one-token GQA through `enable_gqa`);
-- `as-loaded`: what `load_causal_lm` gives (one-token GQA packed, `cachegraft_cli/lm/gqa.py`);
-- `int8`, `int4`: the same with weight-only int8 / int4 linears (`cachegraft_cli/lm/weights.py`).
+- `before`: transformers' own SDPA attention (one-token GQA through `enable_gqa`) and its
+  concatenating `DynamicCache`, as CacheGraft 0.2.0 decoded;
+- `gqa`: one-token GQA packed per KV head (`cachegraft_cli/lm/gqa.py`), concatenating cache;
+- `as-loaded`: what `load_causal_lm` and `generate` give now: packed GQA and the growing decode
+  cache (`kvcache.to_decode_cache`);
+- `int8`, `int4`: the same with weight-only int8 / int4 linears (`--weights`, `lm/weights.py`).
 
 Each variant reads the same prompt (README text as a stand-in for retrieved passages, at each
 --context length), then decodes --steps tokens one at a time as `generate` does; the median
@@ -12,12 +15,13 @@ step time is reported. A torch profile of each variant splits the step into its 
 attention, KV-cache concatenation, other ops, and the Python between them (wall minus ops).
 
     python benchmarks/decode_step.py [--context 150,700] [--steps 32] [--rounds 3]
-                                     [--variants sdpa,as-loaded,int8,int4] [--threads 2]
+                                     [--variants before,gqa,as-loaded,int8,int4] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -35,7 +39,7 @@ def parse_args(argv):
     ap.add_argument("--context", default="150,700", help="prompt tokens before decoding (comma list)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="sdpa,as-loaded,int8,int4")
+    ap.add_argument("--variants", default="before,gqa,as-loaded,int8,int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-profile", action="store_true")
     return ap.parse_args(argv)
@@ -51,7 +55,7 @@ def variants(lm, names: list[str]) -> dict:
     for name in names:
         model = copy.deepcopy(lm.model)
         t0 = time.perf_counter()
-        if name == "sdpa":
+        if name == "before":
             model.set_attn_implementation("sdpa")
         elif name in ("int8", "int4"):
             quantize_linears(model, name)
@@ -59,14 +63,28 @@ def variants(lm, names: list[str]) -> dict:
     return out
 
 
-def steps(lm, ids: list[int], n: int) -> list[float]:
+@contextlib.contextmanager
+def cache_of(variant: str):
+    """`before` and `gqa` decode into transformers' concatenating cache, the others into ours."""
+    from cachegraft_cli.lm import kvcache
+
+    real = kvcache.to_decode_cache
+    if variant in ("before", "gqa"):
+        kvcache.to_decode_cache = lambda kv, config: kvcache.to_model_cache(kv, config) if kv else None
+    try:
+        yield
+    finally:
+        kvcache.to_decode_cache = real
+
+
+def steps(lm, ids: list[int], n: int, variant: str) -> list[float]:
     """Seconds of each of `n` one-token decode steps after reading `ids`."""
     import torch
 
     from cachegraft_cli.lm.generation import Prompt, Stepper
 
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), cache_of(variant):
         step = Stepper(lm, Prompt.plain(None, ids, 0))
         step.first()
         for i in range(n):
@@ -76,14 +94,14 @@ def steps(lm, ids: list[int], n: int) -> list[float]:
     return times
 
 
-def profile(lm, ids: list[int], n: int) -> dict:
+def profile(lm, ids: list[int], n: int, variant: str) -> dict:
     """Milliseconds per step by op group, and the Python between ops (wall minus ops)."""
     import torch
     from torch.profiler import profile as torch_profile
 
     from cachegraft_cli.lm.generation import Prompt, Stepper
 
-    with torch.inference_mode():
+    with torch.inference_mode(), cache_of(variant):
         step = Stepper(lm, Prompt.plain(None, ids, 0))
         step.first()
         with torch_profile() as prof:
@@ -118,7 +136,7 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for c in contexts:
             for v in names:  # interleaved: every variant sees the same machine state
-                timings[(v, c)] += steps(models[v][0], all_ids[:c], args.steps)
+                timings[(v, c)] += steps(models[v][0], all_ids[:c], args.steps, v)
     rows, figures = [], {}
     for c in contexts:
         base = statistics.median(timings[(names[0], c)])
@@ -131,7 +149,7 @@ def main(argv=None) -> int:
     if not args.no_profile:
         prof_rows = []
         for v in names:
-            split = profile(models[v][0], all_ids[: contexts[-1]], args.steps)
+            split = profile(models[v][0], all_ids[: contexts[-1]], args.steps, v)
             figures[f"{v}@{contexts[-1]}"]["profile_ms"] = split
             prof_rows.append([v, *(f"{split[g]:.1f}" for g in split)])
         bc.print_table(f"Where a step goes at context {contexts[-1]} (ms/step, under the profiler)",

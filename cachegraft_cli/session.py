@@ -74,12 +74,13 @@ class ModelOverrides:
 
     def check(self) -> ModelOverrides:
         """Device, dtype, weights and a local sharer checked without loading anything (typed errors)."""
-        from cachegraft_cli.lm.models import check_device, check_dtype, resolve_source
+        from cachegraft_cli.lm.models import check_device, check_dtype, pick_device, resolve_source
         from cachegraft_cli.lm.weights import check_weights
 
         check_device(self.device)
         check_dtype(self.dtype)
-        check_weights(self.weights, self.device)
+        if self.weights not in (None, "as-loaded"):
+            check_weights(self.weights, pick_device(self.device))
         sharer = _absolute(self.sharer)  # recorded and compared by absolute path, as `ModelChoice`'s
         if sharer:
             resolve_source(sharer)

@@ -37,20 +37,17 @@ def available(scheme: str) -> bool:
     return op is None or hasattr(torch, op)
 
 
-def check_weights(scheme: str | None, device: str | None = None) -> None:
-    """Refuse an unknown scheme, or a quantised one off the CPU or without its kernel (typed errors),
-    before anything loads. `device` None is the one `pick_device` would choose."""
+def check_weights(scheme: str | None, device: str) -> None:
+    """Refuse an unknown scheme, or a quantised one off the CPU (`device`: where the receiver
+    loads) or without its kernel (typed errors), before anything loads."""
     from cachegraft_cli.errors import UsageError
 
     if scheme is None or scheme == "as-loaded":
         return
     if scheme not in SCHEMES:
         raise UsageError(f"unknown weights {scheme!r}.", "Use as-loaded, int8 or int4.")
-    from cachegraft_cli.lm.models import pick_device
-
-    where = pick_device(device)
-    if torch.device(where).type != "cpu":
-        raise UsageError(f"--weights {scheme} runs on CPU only, and the receiver would load on {where}.",
+    if torch.device(device).type != "cpu":
+        raise UsageError(f"--weights {scheme} runs on CPU only, and the receiver would load on {device}.",
                          "Add --device cpu, or leave --weights out on a GPU.")
     if not available(scheme):
         raise UsageError(f"this torch {torch.__version__} has no CPU kernel for {scheme} weights.",

@@ -72,14 +72,14 @@ def test_onednn_layers_are_converted_too():
     assert quantize_linears(model, "int8") == 1 and type(model[0]) is Int8Linear
 
 
-@pytest.mark.parametrize("scheme, device, words", [("int3", None, "unknown weights"),
+@pytest.mark.parametrize("scheme, device, words", [("int3", "cpu", "unknown weights"),
                                                    ("int8", "cuda", "CPU only"), ("int4", "cuda:1", "CPU only")])
 def test_check_weights_refuses(scheme, device, words):
     with pytest.raises(UsageError) as err:
         check_weights(scheme, device)
     assert words in err.value.message and err.value.hint
     check_weights("as-loaded", "cuda")  # as loaded runs anywhere
-    check_weights(None, None)
+    check_weights(None, "mps")
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
