@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `cachegraft serve`: a short spin, then sleep
 
 import json
 import random
@@ -59,7 +60,8 @@ def machine() -> dict:
     import torch
 
     return {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
 
 def log(msg: str) -> None:

@@ -111,10 +111,17 @@ def start_peer(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096", "--n_batch", "512",
            "--cache", "false", "--interrupt_requests", "false", "--verbose", "false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=user_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
     return proc, url
+
+
+def user_env() -> dict:
+    """The environment a user's shell gives a server: without the OpenMP wait settings this
+    benchmark process runs under (`bench_common`). llama.cpp's CPU backend is OpenMP too (libgomp),
+    and each server keeps its own defaults: `cachegraft serve` sets its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 
 def start_ours(stores: dict[str, str], threads: int, max_tokens: int,
@@ -124,7 +131,7 @@ def start_ours(stores: dict[str, str], threads: int, max_tokens: int,
            "--max-batch", "8", "--max-queue", "256", "--watch", "0", "--weights", weights]
     for name, url in stores.items():
         cmd += ["--store", f"{name}={url}"]
-    env = {**os.environ, "PYTHONPATH": str(bc.REPO), "OMP_NUM_THREADS": str(threads)}
+    env = {**user_env(), "PYTHONPATH": str(bc.REPO), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
