@@ -75,11 +75,12 @@ class ModelOverrides:
     def check(self) -> ModelOverrides:
         """Device, dtype, weights and a local sharer checked without loading anything (typed errors)."""
         from cachegraft_cli.lm.models import check_device, check_dtype, pick_device, resolve_source
-        from cachegraft_cli.lm.weights import check_weights
 
         check_device(self.device)
         check_dtype(self.dtype)
-        if self.weights not in (None, "as-loaded"):
+        if self.weights not in (None, "as-loaded"):  # weights.py imports torch: only when asked for
+            from cachegraft_cli.lm.weights import check_weights
+
             check_weights(self.weights, pick_device(self.device))
         sharer = _absolute(self.sharer)  # recorded and compared by absolute path, as `ModelChoice`'s
         if sharer:

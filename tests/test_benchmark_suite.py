@@ -1,24 +1,18 @@
 """run_all.py reads every benchmark's JSON line (recorded from real runs) into its table."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from paths import benchmark_module
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 OUTPUTS = json.loads((Path(__file__).parent / "data" / "bench_outputs.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def run_all():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import run_all
-
-        yield run_all
-    finally:
-        sys.path.remove(str(BENCH))
+    with benchmark_module("run_all") as module:
+        yield module
 
 
 @pytest.mark.parametrize("key", sorted(OUTPUTS))

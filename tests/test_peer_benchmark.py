@@ -3,22 +3,15 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from paths import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def peer():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import peer_llamacpp
-
-        yield peer_llamacpp
-    finally:
-        sys.path.remove(str(BENCH))
+    with benchmark_module("peer_llamacpp") as module:
+        yield module
 
 
 def test_without_the_extra_it_says_why_and_exits_0(peer, monkeypatch, capsys):

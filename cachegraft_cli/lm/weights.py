@@ -54,59 +54,67 @@ def check_weights(scheme: str | None, device: str) -> None:
                          "Leave --weights out, or install the pinned torch (pip install -e .).")
 
 
-class Int8Linear(torch.nn.Module):
-    """A linear layer with int8 weights and one scale per output row (symmetric)."""
+class QuantisedLinear(torch.nn.Module):
+    """A linear layer that keeps its dense twin (`dense`, for forwards of more than `decode_rows`
+    rows) and multiplies decode steps through a quantised kernel (`product`, per subclass)."""
 
     decode_rows = DECODE_ROWS  # `set_decode_rows` changes it per model
-    qweight: torch.Tensor
-    scales: torch.Tensor
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        parts = [_int8_rows(rows) for rows in _row_chunks(linear.weight)]
-        self.register_buffer("qweight", torch.cat([q for q, _ in parts]))
-        self.register_buffer("scales", torch.cat([s for _, s in parts]).to(linear.weight.dtype))
         self.dense, self.bias = linear, linear.bias
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.decode_rows:
             return self.dense(x)
-        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)  # `.to` costs ~5 us a call
-        y = torch._weight_int8pack_mm(flat, self.qweight, scales)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = self.product(flat).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(torch.nn.Module):
-    """A linear layer with int4 weights, a scale and a zero point per `INT4_GROUP` inputs
-    (asymmetric, the group's range mapped onto 0..15)."""
+def _in_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == x.dtype else t.to(x.dtype)  # `.to` itself costs ~5 us a call
 
-    decode_rows = DECODE_ROWS
+
+class Int8Linear(QuantisedLinear):
+    """Int8 weights and one scale per output row (symmetric)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear)
+        parts = [_int8_rows(rows) for rows in _row_chunks(linear.weight)]
+        self.register_buffer("qweight", torch.cat([q for q, _ in parts]))
+        self.register_buffer("scales", torch.cat([s for _, s in parts]).to(linear.weight.dtype))
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(flat, self.qweight, _in_dtype(self.scales, flat))
+
+
+class Int4Linear(QuantisedLinear):
+    """Int4 weights, a scale and a zero point per `INT4_GROUP` inputs (asymmetric, the group's
+    range mapped onto 0..15)."""
+
     packed: torch.Tensor
     scales_zeros: torch.Tensor
 
     def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP):
-        super().__init__()
-        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
+        super().__init__(linear)
+        self.group = group
         parts = [_int4_rows(rows, group) for rows in _row_chunks(linear.weight)]
         self.register_buffer("packed", torch.cat([p for p, _ in parts]))
         # (groups, rows, 2) as the kernel takes them
         self.register_buffer("scales_zeros", torch.cat([sz for _, sz in parts], dim=1).to(linear.weight.dtype))
-        self.dense, self.bias = linear, linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > self.decode_rows:
-            return self.dense(x)
-        sz = self.scales_zeros if self.scales_zeros.dtype == x.dtype else self.scales_zeros.to(x.dtype)
-        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, sz)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, _in_dtype(self.scales_zeros, flat))
 
 
-QUANTISED = (Int8Linear, Int4Linear)  # their `dense` layer stays as it is
 
 
 def set_decode_rows(model: torch.nn.Module, rows: int) -> int:
@@ -114,7 +122,7 @@ def set_decode_rows(model: torch.nn.Module, rows: int) -> int:
     does, a huge number: every one); how many layers were set. For measuring (the fidelity
     benchmark reads a prompt with the exact weights and forces its answer through the quantised
     ones, as decoding would)."""
-    layers = [m for m in model.modules() if isinstance(m, QUANTISED)]
+    layers = [m for m in model.modules() if isinstance(m, QuantisedLinear)]
     for layer in layers:
         layer.decode_rows = rows
     return len(layers)
@@ -157,8 +165,9 @@ def quantize_linears(model: torch.nn.Module, scheme: str) -> int:
     if scheme == "as-loaded":
         return 0
     make = {"int8": Int8Linear, "int4": Int4Linear}[scheme]
-    swaps = [(parent, name, child) for parent in model.modules() if not isinstance(parent, QUANTISED)
-             for name, child in parent.named_children() if convertible(child, scheme)]
+    parents = [m for m in model.modules() if not isinstance(m, QuantisedLinear)]  # a converted layer's `dense` stays
+    swaps = [(parent, name, child) for parent in parents for name, child in parent.named_children()
+             if convertible(child, scheme)]
     for parent, name, child in swaps:
         setattr(parent, name, make(child))
     return len(swaps)
