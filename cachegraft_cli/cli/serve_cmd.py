@@ -68,6 +68,7 @@ def serve(
     # event loop that streams tokens and parses requests (at 4 clients: +22% q/s, p99 TTFT 0.92 -> 0.68 s).
     # But a decode step is ~1,000 short parallel regions, and waking sleeping threads for each cost
     # 40% of an int4 step (40 -> 27 ms): a short spin first (~0.1 ms) keeps both (docs/results.md).
+    # (The worker thread also takes over the loader's OpenMP pool: `lm/openmp.py`.)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     from cachegraft_cli.answering.options import AskOptions, check_index_kind

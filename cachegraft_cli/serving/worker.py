@@ -136,6 +136,11 @@ class Worker:
         """Start the worker (once; a second call does nothing)."""
         if self._thread is not None:
             return
+        from cachegraft_cli.lm import openmp
+
+        # The models were loaded on this thread, which holds an OpenMP thread pool; with the
+        # worker's own, libgomp stops spinning and each decode step slows by a third or more.
+        openmp.release_pool()
         self._thread = threading.Thread(target=self._loop, name="cachegraft-serve-worker", daemon=True)
         self._thread.start()
 
