@@ -63,6 +63,9 @@ def encode(
     max_passage_tokens: Annotated[
         int, typer.Option(help="Longer passages are split into chunks (never truncated; at least 16).")
     ] = 512,
+    chunk_overlap: Annotated[int, typer.Option(
+        help="Tokens each chunk of a split passage repeats from the end of the chunk before, so a fact at a "
+             "cut is whole in one chunk (0 to half of --max-passage-tokens).")] = 0,
     also_own_cache: Annotated[
         bool, typer.Option(help="Also store the receiver's own caches (for the `cache` system).")
     ] = False,
@@ -99,7 +102,8 @@ def encode(
 
     # Everything is checked before anything is written or any model loads (the API checks the rest).
     options = EncodeOptions(codec=codec, batch_size=batch_size, max_passage_tokens=max_passage_tokens,
-                            also_own_cache=also_own_cache, commit_every=commit_every, keep=keep, keep_by=keep_by,
+                            chunk_overlap=chunk_overlap, also_own_cache=also_own_cache, commit_every=commit_every,
+                            keep=keep, keep_by=keep_by,
                             compressor=compressor, mismatched_sharer=mismatched_sharer, sharer_notes=sharer_notes,
                             calibration=calibration)
     models = Models(preset=preset, receiver=receiver, sharer=sharer, fuser=fuser, device=device, dtype=dtype,

@@ -24,6 +24,7 @@ class EncodeOptions:
     codec: str | None = None  # None: the existing store's codec, `store.codecs.DEFAULT_CODEC` (int8) for a new one
     batch_size: int = 8
     max_passage_tokens: int = 512
+    chunk_overlap: int = 0  # tokens a chunk of a split passage repeats from the end of the one before
     also_own_cache: bool = False
     commit_every: int = 2000
     keep: float | None = None  # share of each passage's tokens stored; None: the store's, 1 (all) for a new store
@@ -43,6 +44,8 @@ class EncodeOptions:
             one_of("cache codec", self.codec, CODECS)
         whole("batch_size (--batch-size)", self.batch_size, 1, MAX_BATCH_SIZE)
         whole("max_passage_tokens (--max-passage-tokens)", self.max_passage_tokens, 16, 1 << 20)
+        # at most half a chunk: each chunk must move on by more than it repeats
+        whole("chunk_overlap (--chunk-overlap)", self.chunk_overlap, 0, self.max_passage_tokens // 2)
         flag("also_own_cache (--also-own-cache)", self.also_own_cache)
         whole("commit_every (--commit-every)", self.commit_every, 1, 1 << 30)
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, (int, float))
@@ -175,11 +178,14 @@ class Chunk:
         return cls(passage, record["text"], list(record["ids"]), record["block"], record["index"], span)
 
 
-def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
+def split_passage(passage: Passage, template, max_tokens: int, overlap: int = 0) -> list[Chunk]:
     """Token-aware split of a passage that does not fit `max_tokens` (never truncates).
 
     Cuts fall on token boundaries, preferring whitespace; each chunk carries
-    the passage title and its character span in the original text.
+    the passage title and its character span in the original text. With
+    `overlap` > 0 each chunk after the first starts up to `overlap` tokens
+    before the previous one ended (at a word start), so a fact cut in two
+    is whole in one of them.
     """
     text = passage.text.strip()
     ids = template.passage_ids(passage.title, text)
@@ -187,22 +193,22 @@ def split_passage(passage: Passage, template, max_tokens: int) -> list[Chunk]:
         return [Chunk(passage, text, ids, template.passage_block(passage.title, text))]
     budget = max(8, max_tokens - len(template.passage_ids(passage.title, "")))
     while True:  # re-tokenising a piece with its title can merge or split a few tokens: shrink until all fit
-        chunks = _chunks(passage, text, template, budget)
+        chunks = _chunks(passage, text, template, budget, min(overlap, budget // 2))
         if all(len(c.ids) <= max_tokens for c in chunks) or budget <= 8:
             return chunks
         budget -= max(1, budget // 16)
 
 
-def _chunks(passage: Passage, text: str, template, budget: int) -> list[Chunk]:
+def _chunks(passage: Passage, text: str, template, budget: int, overlap: int) -> list[Chunk]:
     chunks = []
-    for index, (a, b) in enumerate(_spans(text, template.tokenizer, budget)):
+    for index, (a, b) in enumerate(_spans(text, template.tokenizer, budget, overlap)):
         piece = text[a:b].strip()
         chunks.append(Chunk(passage, piece, template.passage_ids(passage.title, piece),
                             template.passage_block(passage.title, piece), index, (a, b)))
     return chunks
 
 
-def _spans(text: str, tokenizer, budget: int) -> list[tuple[int, int]]:
+def _spans(text: str, tokenizer, budget: int, overlap: int = 0) -> list[tuple[int, int]]:
     from cachegraft_cli.lm.plaintext import plain_encoding
 
     # the tokens `passage_ids` reads the text as (plain: a control string is several tokens there)
@@ -212,9 +218,19 @@ def _spans(text: str, tokenizer, budget: int) -> list[tuple[int, int]]:
         last = min(first + budget, len(offsets)) - 1
         cut = _whitespace_cut(text, offsets, first, last)
         spans.append((offsets[first][0], offsets[cut][1]))
-        first = cut + 1
+        first = cut + 1 if cut == len(offsets) - 1 else _overlap_start(text, offsets, first, cut, overlap)
     spans[-1] = (spans[-1][0], len(text))
     return spans
+
+
+def _overlap_start(text: str, offsets, first: int, cut: int, overlap: int) -> int:
+    """First token of the chunk after the one ending at token `cut`: the first word start among
+    the last `overlap` tokens (a chunk should not open mid-word), else none repeated; past `first`."""
+    for i in range(max(first + 1, cut + 1 - overlap), cut + 1):
+        a = offsets[i][0]
+        if text[a].isspace() or (a > 0 and text[a - 1].isspace()):
+            return i
+    return cut + 1
 
 
 def _whitespace_cut(text: str, offsets, first: int, last: int) -> int:
@@ -272,9 +288,11 @@ def new_chunks(passages, known: dict, template, options: EncodeOptions,
             if summary is not None:
                 summary.skipped_existing += 1
             continue
-        chunks = split_passage(passage, template, options.max_passage_tokens)
+        chunks = split_passage(passage, template, options.max_passage_tokens, options.chunk_overlap)
         if summary is not None:
             summary.chunks_split += len(chunks) - 1
+        if chunks[0].index is None and f"{passage.id}#0" in known:  # stored split, now fits whole
+            _refuse_changed(chunks[0], split=True)
         for chunk in chunks:
             _check_changed(chunk, known, chunk.content_hash)
             if known.get(chunk.id) == chunk.content_hash or chunk.id in seen:  # stored already, or a repeat
@@ -287,11 +305,17 @@ def new_chunks(passages, known: dict, template, options: EncodeOptions,
 
 def _check_changed(chunk: Chunk, known: dict, digest: str) -> None:
     if chunk.id in known and known[chunk.id] != digest:
-        where = f"{chunk.passage.source}:{chunk.passage.line}" if chunk.passage.line else chunk.passage.source
-        raise CorpusError(
-            f"{where}: passage {chunk.id!r} is already in the store with different text.",
-            "Stores are append-only: give the changed passage a new id, or encode into a new --store.",
-        )
+        _refuse_changed(chunk, split=chunk.index is not None)
+
+
+def _refuse_changed(chunk: Chunk, split: bool) -> None:
+    where = f"{chunk.passage.source}:{chunk.passage.line}" if chunk.passage.line else chunk.passage.source
+    hint = ("; if the text is the same, it was split differently: encode with the --max-passage-tokens "
+            "and --chunk-overlap the store was encoded with" if split else "")
+    raise CorpusError(
+        f"{where}: passage {chunk.id!r} is already in the store with different text.",
+        f"Stores are append-only: give the changed passage a new id, or encode into a new --store{hint}.",
+    )
 
 
 def with_donors(chunks: list[Chunk]) -> list[Chunk]:

@@ -16,7 +16,7 @@ import pytest
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding.local import encode_corpus
 from cachegraft_cli.encoding.plan import EncodeOptions, split_passage
-from cachegraft_cli.errors import CorpusError, StoreMismatchError
+from cachegraft_cli.errors import CorpusError, StoreMismatchError, UsageError
 from cachegraft_cli.session import ModelChoice, ModelSession
 from cachegraft_cli.store import CacheStore
 from cachegraft_cli.store.target import Target
@@ -85,6 +85,48 @@ def test_long_passages_are_split_never_truncated(session):
     assert " ".join(c.text for c in chunks).split() == long.text.split()  # every word kept, in order
     spans = [c.span for c in chunks]
     assert spans[0][0] == 0 and spans[-1][1] == len(long.text) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("overlap", [6, 12])
+def test_an_overlap_repeats_the_end_of_each_chunk_at_a_word_start(session, overlap):
+    template = session.template
+    long = Passage("long", "A title", " ".join(TEXTS * 3))
+    plain = split_passage(long, template, max_tokens=40)
+    chunks = split_passage(long, template, max_tokens=40, overlap=overlap)
+    assert all(len(c.ids) <= 40 for c in chunks) and len(chunks) > len(plain)
+    spans = [c.span for c in chunks]
+    assert spans[0][0] == 0 and spans[-1][1] == len(long.text)
+    repeats = 0
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a0 < b0 <= a1 < b1  # each chunk moves on
+        assert long.text[b0 - 1].isspace() or long.text[b0].isspace()  # from a word start
+        repeated = template.tokenizer(long.text[b0:a1].strip(), add_special_tokens=False)["input_ids"]
+        assert len(repeated) <= overlap + 1  # +1: a word's first token re-tokenised without its space
+        repeats += b0 < a1
+    assert repeats >= len(spans) // 2  # a chunk repeats nothing only where no word starts in its overlap
+    covered = " ".join(long.text[a:b] for a, b in spans)
+    assert set(covered.split()) == set(long.text.split())
+
+
+def test_overlap_zero_splits_as_before_and_a_bad_overlap_is_refused(session):
+    long = Passage("long", "A title", " ".join(TEXTS * 3))
+    assert [c.span for c in split_passage(long, session.template, 40, overlap=0)] == \
+        [c.span for c in split_passage(long, session.template, 40)]
+    for bad in (-1, 257, "8", 1.5):
+        with pytest.raises(UsageError, match="chunk_overlap"):
+            EncodeOptions(max_passage_tokens=512, chunk_overlap=bad)
+    assert EncodeOptions(max_passage_tokens=512, chunk_overlap=256).chunk_overlap == 256
+
+
+def test_another_chunking_of_a_stored_passage_is_refused_with_what_to_do(session, tmp_path):
+    url = str(tmp_path / "s")
+    long = Passage("long", "T", " ".join(TEXTS * 2), source="c.jsonl", line=1)
+    encode_corpus([long], Target.open(url), session, EncodeOptions(codec="float32", max_passage_tokens=48))
+    with pytest.raises(CorpusError, match="split differently.*--chunk-overlap"):
+        encode_corpus([long], Target.open(url), session,
+                      EncodeOptions(codec="float32", max_passage_tokens=48, chunk_overlap=12))
+    with pytest.raises(CorpusError, match="'long' is already in the store.*split differently"):  # now fits whole
+        encode_corpus([long], Target.open(url), session, EncodeOptions(codec="float32", max_passage_tokens=4096))
 
 
 def test_split_is_recorded_in_the_store(session, tmp_path):
