@@ -99,6 +99,7 @@ class StoreAnswerer:
         self.mismatched_needed = list(dict.fromkeys(v for s, v in settings.items() if base_system(s) == "mismatched"))
         self._askers: dict[tuple, object] = {}
         self._sessions: dict[str, ModelSession] = {}
+        self._chunk_tokens: dict[str, int] = {}  # benchmark -> the max_passage_tokens it was prepared with
 
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
@@ -119,6 +120,8 @@ class StoreAnswerer:
             parts.append({"notes": notes})
         if mismatched:  # the mismatched-sharer control (`encoding.donors`)
             parts.append("mismatched")
+        if self._chunk_tokens.get(bench, 512) != 512:  # a re-chunked corpus never shares a store with the native one
+            parts.append({"passage_tokens": self._chunk_tokens[bench]})
         key = json.dumps(parts, sort_keys=True)
         return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
@@ -137,7 +140,10 @@ class StoreAnswerer:
             self._sessions[key] = session
         return self._sessions[key]
 
-    def prepare(self, benchmark_name: str, passages: list[dict]) -> None:
+    def passage_template(self):
+        return self._session(self.config.fuser).template  # the tokenizer alone: no weights load
+
+    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = 512) -> None:
         from cachegraft_cli.corpus import Passage
         from cachegraft_cli.encoding.local import encode_corpus
         from cachegraft_cli.encoding.plan import EncodeOptions
@@ -146,6 +152,7 @@ class StoreAnswerer:
         from cachegraft_cli.store.target import Target
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
+        self._chunk_tokens[benchmark_name] = max_passage_tokens
         own = "cache" in self.systems
         for fuser, mismatched in self._roles():
             if len(self.stores_needed) > 1:  # stores of one corpus differ after fusion only: fuse it once
@@ -155,7 +162,8 @@ class StoreAnswerer:
             for settings in self.mismatched_needed if mismatched else self.stores_needed:
                 url = self._store_url(benchmark_name, fuser, settings, mismatched)
                 codec, keep, keep_by, notes = settings
-                options = EncodeOptions(codec, self.config.encode_batch_size, also_own_cache=own, keep=keep,
+                options = EncodeOptions(codec, self.config.encode_batch_size, max_passage_tokens=max_passage_tokens,
+                                        also_own_cache=own, keep=keep,
                                         keep_by=keep_by if keep < 1 else None, mismatched_sharer=mismatched,
                                         sharer_notes=notes, calibration=self._calibration(codec))
                 role = ", mismatched sharer" if mismatched else (", adapter" if fuser != self.config.fuser else "")

@@ -20,6 +20,8 @@ from cachegraft_cli.corpus import slugify  # the corpus reader's ids: one defini
 from cachegraft_cli.errors import DatasetError, HubUnreachableError, UsageError
 
 CORPUS_MODES = ("articles", "full")
+_OPTIONS = ("corpus", "articles", "limit", "passage_tokens")
+MIN_PASSAGE_TOKENS = 16  # as `encode --max-passage-tokens`
 _MISSING_HINT = "Check the path after -B name=; for a Hugging Face dataset write -B name=hf:DATASET[:SPLIT]."
 HF_COLUMNS = ("id", "question", "answers", "context", "title", "gold_ids")
 
@@ -48,6 +50,7 @@ class Benchmark:
     name: str
     questions: list[QAExample]
     passages: list[CorpusPassage]
+    max_passage_tokens: int | None = None  # set by `rechunk`: encode it with this --max-passage-tokens
 
     def passage_dicts(self) -> list[dict]:
         return [p.to_dict() for p in self.passages]
@@ -66,13 +69,14 @@ class DatasetSpec:
     corpus_path: str | None = None
     articles: int | None = None  # overrides the run's --articles for this benchmark
     limit: int | None = None  # overrides the run's --limit for this benchmark
+    passage_tokens: int | None = None  # re-chunk the corpus as `encode --max-passage-tokens N` stores it
 
     def to_dict(self) -> dict:
         d = {
             "name": self.name, "source": self.source, "kind": self.kind, "split": self.split,
             "config": self.config, "columns": dict(self.columns), "corpus_path": self.corpus_path,
         }
-        for key in ("articles", "limit"):  # absent when unset, so older run directories still resume
+        for key in ("articles", "limit", "passage_tokens"):  # absent when unset, so older run directories still resume
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -103,7 +107,9 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     separate passage file (JSONL with id, title, text or FlashRAG `contents`).
     `?articles=N` samples this benchmark's questions from N articles and
     `?limit=N` samples N questions (overriding --articles / --limit, so each
-    benchmark can be sized on its own).
+    benchmark can be sized on its own). `?passage_tokens=N` joins each
+    article's passages and splits them into chunks of at most N tokens, as
+    `encode --max-passage-tokens N` does (`rechunk`).
     """
     name, _, body = text.partition("=") if _has_name(text) else ("", "", text)
     body, _, query = body.partition("?")
@@ -111,6 +117,10 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     corpus_path = options.pop("corpus", None)
     articles = _count_option("articles", options.pop("articles", None), text)
     limit = _count_option("limit", options.pop("limit", None), text)
+    passage_tokens = _count_option("passage_tokens", options.pop("passage_tokens", None), text)
+    if passage_tokens is not None and passage_tokens < MIN_PASSAGE_TOKENS:
+        raise UsageError(f"Bad passage_tokens={passage_tokens} in {text!r}: chunks hold at least "
+                         f"{MIN_PASSAGE_TOKENS} tokens.", "Give e.g. ?passage_tokens=512.")
     if name:
         _check_name(name, text)
     if body.startswith("hf:"):
@@ -120,7 +130,7 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     else:
         kind = "jsonl" if body.endswith(".jsonl") else "squad"
         spec = DatasetSpec(name or _safe_name(Path(body).stem), body, kind, corpus_path=corpus_path)
-    return dataclasses.replace(spec, articles=articles, limit=limit)
+    return dataclasses.replace(spec, articles=articles, limit=limit, passage_tokens=passage_tokens)
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -154,9 +164,9 @@ def _parse_query(query: str, text: str) -> dict:
     options = {}
     for part in filter(None, query.split("&")):
         key, sep, value = part.partition("=")
-        if not sep or (key not in HF_COLUMNS and key not in ("corpus", "articles", "limit")):
+        if not sep or (key not in HF_COLUMNS and key not in _OPTIONS):
             raise UsageError(f"Bad dataset option {part!r} in {text!r}.",
-                             f"Use key=value with keys {', '.join(HF_COLUMNS)}, corpus, articles or limit.")
+                             f"Use key=value with keys {', '.join(HF_COLUMNS + _OPTIONS)}.")
         options[key] = value
     return options
 
@@ -435,3 +445,60 @@ def load_benchmark(spec: DatasetSpec | str, limit: int | None = None, seed: int 
     limit = spec.limit if spec.limit is not None else limit
     sampled = sample_questions(restrict_articles(questions, articles, seed), limit, seed)
     return Benchmark(spec.name, sampled, select_corpus(sampled, passages, corpus))
+
+
+
+# ---------------------------------------------------------------- re-chunking
+
+
+def rechunk(bench: Benchmark, template, tokens: int) -> Benchmark:
+    """The benchmark with its corpus as `encode --max-passage-tokens tokens` stores it: each
+    article's passages joined into one document (a blank line between them, in corpus order;
+    an untitled passage is its own document) and split into chunks of at most `tokens` tokens
+    of `template`'s passage block. A question's gold passages become the chunks that overlap
+    its gold passage's text. Chunk ids are `encode`'s: `<document>#<i>`, or the document's
+    id when it fits whole."""
+    from cachegraft_cli.corpus import Passage
+    from cachegraft_cli.encoding.plan import split_passage
+
+    passages: list[CorpusPassage] = []
+    gold_of: dict[str, list[str]] = {}
+    for doc_id, title, text, spans in _documents(bench.passages):
+        for chunk in split_passage(Passage(doc_id, title, text), template, tokens):
+            a, b = chunk.span or (0, len(text))
+            passages.append(CorpusPassage(chunk.id, title, chunk.text))
+            for pid, (start, end) in spans.items():
+                if start < b and a < end:
+                    gold_of.setdefault(pid, []).append(chunk.id)
+    questions = [dataclasses.replace(q, gold_ids=list(dict.fromkeys(c for g in q.gold_ids for c in gold_of.get(g, []))))
+                 for q in bench.questions]
+    return Benchmark(bench.name, questions, passages, tokens)
+
+
+def _documents(passages: list[CorpusPassage]) -> list[tuple[str, str, str, dict[str, tuple[int, int]]]]:
+    """(id, title, text, {passage id: its character span in text}) per article, in corpus order."""
+    by_title: dict[str, list[CorpusPassage]] = {}
+    order: list[str | CorpusPassage] = []
+    for p in passages:
+        if not p.title:
+            order.append(p)
+        elif p.title not in by_title:
+            by_title[p.title] = [p]
+            order.append(p.title)
+        else:
+            by_title[p.title].append(p)
+    docs, ids = [], Counter[str]()
+    for item in order:
+        group = by_title[item] if isinstance(item, str) else [item]
+        title = group[0].title
+        slug = slugify(title) if title else group[0].id
+        ids[slug] += 1
+        doc_id = slug if ids[slug] == 1 else f"{slug}~{ids[slug]}"
+        text, spans = "", {}
+        for p in group:
+            body = p.text.strip()
+            start = len(text) + (2 if text else 0)
+            text = f"{text}\n\n{body}" if text else body
+            spans[p.id] = (start, start + len(body))
+        docs.append((doc_id, title, text, spans))
+    return docs

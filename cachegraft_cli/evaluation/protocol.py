@@ -24,6 +24,7 @@ from cachegraft_cli.evaluation.datasets import (
     QAExample,
     load_benchmark,
     parse_dataset_spec,
+    rechunk,
 )
 from cachegraft_cli.evaluation.judges import Judge, JudgeItem, PairItem, judge_name, load_judge
 from cachegraft_cli.evaluation.metrics import exact_match, f1_score, recall_at_k
@@ -35,8 +36,13 @@ from cachegraft_cli.evaluation.variants import base_system, check_variant
 
 
 class Answerer(Protocol):
-    def prepare(self, benchmark_name: str, passages: list[dict]) -> None:
-        """Encode the corpus ({id, title, text} dicts) into a store and index it."""
+    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = 512) -> None:
+        """Encode the corpus ({id, title, text} dicts) into a store and index it; longer
+        passages are split as `encode --max-passage-tokens` splits them."""
+
+    def passage_template(self):
+        """The receiver's prompt template, whose passage tokens `?passage_tokens=N` counts
+        (`datasets.rechunk`); asked for only by a benchmark that re-chunks."""
 
     def answer(self, benchmark_name: str, questions: list[QAExample], system: str, k: int) -> list[dict]:
         """One dict per question: {"answer": str, "passages": [{"id", "score"}],
@@ -182,7 +188,8 @@ def answer_benchmark(bench: Benchmark, answerer: Answerer, config: RunConfig, an
     total = sum(map(len, pending.values()))
     if total == 0:
         return
-    answerer.prepare(bench.name, bench.passage_dicts())
+    split = {} if bench.max_passage_tokens is None else {"max_passage_tokens": bench.max_passage_tokens}
+    answerer.prepare(bench.name, bench.passage_dicts(), **split)  # an answerer written before re-chunking still works
     with _progress(total, f"answer {bench.name}", progress) as bar:
         for (system, k), questions in pending.items():
             for batch in _batches(questions, config.answer_batch_size):
@@ -289,11 +296,19 @@ def write_outputs(run_dir: Path) -> dict:
     return summary
 
 
+def _chunked(bench: Benchmark, spec: DatasetSpec, answerer: Answerer) -> Benchmark:
+    """`bench` re-chunked as `?passage_tokens=N` asks (with the receiver's tokenizer, no weights)."""
+    if spec.passage_tokens is None:
+        return bench
+    return rechunk(bench, answerer.passage_template(), spec.passage_tokens)
+
+
 def run_evaluation(config: RunConfig, answerer: Answerer, judge_loader: JudgeLoader | None = None,
                    progress: bool = True) -> dict:
     """Run (or resume) an evaluation into config.out; returns the summary."""
     validate(config)
-    benchmarks = [load_benchmark(spec, config.limit, config.seed, config.corpus, config.articles)
+    benchmarks = [_chunked(load_benchmark(spec, config.limit, config.seed, config.corpus, config.articles), spec,
+                           answerer)
                   for spec in config.specs()]  # every input is read and checked before the run directory is made
     run_dir = prepare_run_dir(config)
     files = [RecordFile(run_dir / name, key) for name, key in
