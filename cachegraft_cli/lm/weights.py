@@ -72,7 +72,8 @@ class QuantisedLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.decode_rows:
             return self.dense(x)
-        y = self.product(flat).view(*x.shape[:-1], self.out_features)
+        # the kernels take contiguous rows only; a batch's last positions (the LM head's input) are a strided view
+        y = self.product(flat.contiguous()).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 

@@ -42,6 +42,16 @@ def test_layer_computes_with_its_dequantised_weights(cls, reference, dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_a_strided_batch_computes_as_its_contiguous_copy(cls):
+    torch.manual_seed(0)
+    layer = cls(torch.nn.Linear(96, 48).to(torch.bfloat16))
+    hidden = torch.randn(3, 5, 96, dtype=torch.bfloat16)
+    last = hidden[:, -1:, :]  # what a batched decode step hands the LM head: not contiguous
+    assert not last.reshape(-1, 96).is_contiguous()
+    assert torch.equal(layer(last), layer(last.contiguous()))
+
+
 def test_quantisation_error_is_bounded():
     torch.manual_seed(1)
     linear = torch.nn.Linear(256, 64, bias=False)
@@ -102,6 +112,23 @@ def test_receiver_decodes_with_quantised_weights(tiny_dirs, scheme):
     assert not torch.equal(a, b) and cos > (0.999 if scheme == "int8" else 0.85), float(cos)
     out = generate(lm, Prompt.plain(None, ids, 0), GenerationOptions(max_new_tokens=6))
     assert len(out.token_ids) > 0
+
+
+def test_a_batch_of_rows_decodes_through_int4_weights(tiny_dirs):
+    """`serve` decodes several answers in one step: the LM head then reads a strided view."""
+    from cachegraft_cli.lm.batching import Row, RunningBatch
+    from cachegraft_cli.lm.generation import GenerationOptions, Prompt
+    from cachegraft_cli.lm.models import load_causal_lm
+
+    lm = load_causal_lm(str(tiny_dirs["receiver"]), device="cpu", dtype="float32", weights="int4")
+    prompts = [Prompt.plain(None, list(range(5, 5 + n)), 0) for n in (12, 20, 7)]
+    rows = [Row(p, GenerationOptions(6)) for p in prompts]
+    batch = RunningBatch(lm)
+    ended = batch.admit(rows)
+    while len(batch):
+        ended += batch.step()
+    assert sorted(map(id, ended)) == sorted(map(id, rows))
+    assert all(0 < len(row.out) <= 6 for row in rows)
 
 
 def test_store_answers_with_the_weights_asked_for(tiny_dirs, tmp_path, monkeypatch):
