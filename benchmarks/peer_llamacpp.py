@@ -47,6 +47,7 @@ import bench_common as bc
 
 SETS = {"squad": "squad_v1.1_dev.json", "new_wiki": "squadshifts_new_wiki.json", "nyt": "squadshifts_nyt.json"}
 RECEIVER_NAME = "qwen2.5-coder-0.5b-instruct"
+SERVE_LOG = bc.WORK_DIR / "peer-serve.stderr"  # `cachegraft serve`'s stderr of the last run
 SYSTEMS = ("peer-text", "graft", "text")
 GOALS = {"first_token": 10.0, "whole_answer": 3.0, "decode": 1.0}  # graft vs the peer (issue 35)
 
@@ -132,7 +133,9 @@ def start_ours(stores: dict[str, str], threads: int, max_tokens: int,
     for name, url in stores.items():
         cmd += ["--store", f"{name}={url}"]
     env = {**user_env(), "PYTHONPATH": str(bc.REPO), "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    SERVE_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with SERVE_LOG.open("w") as log:  # a failed request says "the server's stderr has the details": keep them
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
     return proc, url
@@ -241,7 +244,8 @@ def one_client(items: list[dict], ks: list[int], urls: dict, max_tokens: int) ->
     for k in ks:
         for i, item in enumerate(items):
             for system in bc.rotated(list(SYSTEMS), i + k):
-                out.setdefault((system, k, 1), []).append({**ask(system, item, k, urls, max_tokens), "item": i})
+                out.setdefault((system, k, 1), []).append(
+                    attempt(lambda _, s=system, k=k, item=item: ask(s, item, k, urls, max_tokens), i))
             if (i + 1) % 20 == 0:
                 bc.log(f"k={k}: {i + 1}/{len(items)} questions at 1 client")
     return out
@@ -263,6 +267,14 @@ def many_clients(items: list[dict], ks: list[int], clients: int, urls: dict, max
     return out, walls
 
 
+def attempt(one, i: int) -> dict:
+    """`one(i)`'s answer, or the failure: a failed request is a figure too, counted and never dropped."""
+    try:
+        return {**one(i), "item": i}
+    except Exception as exc:  # noqa: BLE001
+        return {"item": i, "error": str(exc)[:300]}
+
+
 def concurrently(one, chosen: list[int], clients: int) -> list[dict]:
     """`one(i)` for every question `i` of `chosen`, from `clients` threads taking the next one free."""
     answers: list = []
@@ -274,7 +286,7 @@ def concurrently(one, chosen: list[int], clients: int) -> list[dict]:
                 if not queue:
                     return
                 i = queue.pop(0)
-            got = {**one(i), "item": i}
+            got = attempt(one, i)
             with lock:
                 answers.append(got)
 
@@ -294,14 +306,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def row(answers: list[dict], items: list[dict], wall: float | None) -> dict:
+def row(answers: list[dict], items: list[dict], wall: float | None) -> dict | None:
+    """The figures of one cell over its answered requests (`errors`: the failed ones); None when
+    every request failed."""
     from cachegraft_cli.evaluation.metrics import exact_match, f1_score
 
+    errors = sum("error" in a for a in answers)
+    answers = [a for a in answers if "error" not in a]
+    if not answers:
+        return None
     firsts, ends = [a["first"] for a in answers], [a["end"] for a in answers]
     after = [(a["tokens"] - 1, a["end"] - a["first"]) for a in answers if a["tokens"] > 1]
     golds = [items[a["item"]]["answers"] for a in answers]
     return {
-        "answers": len(answers),
+        "answers": len(answers), "errors": errors,
         "ttft_p50": statistics.median(firsts), "ttft_p90": pct(firsts, 0.9),
         "whole_p50": statistics.median(ends), "whole_mean": statistics.mean(ends),
         "decode_tok_s": sum(t for t, _ in after) / max(sum(s for _, s in after), 1e-9),
@@ -316,15 +334,17 @@ def agreement(runs: dict, k: int, clients: int) -> float | None:
     peer, ours = runs.get(("peer-text", k, clients)), runs.get(("text", k, clients))
     if not peer or not ours:
         return None
-    by_item = {a["item"]: a["text"] for a in ours}
-    return sum(a["text"] == by_item.get(a["item"]) for a in peer) / len(peer)
+    by_item = {a["item"]: a.get("text") for a in ours}
+    both = [a for a in peer if "error" not in a and by_item.get(a["item"]) is not None]
+    return sum(a["text"] == by_item[a["item"]] for a in both) / len(both) if both else None
 
 
 def report(rows: dict, agree: dict, same: float, args) -> None:
-    headers = ["system", "k", "clients", "n", "TTFT p50", "TTFT p90", "whole p50", "decode tok/s", "answers/s",
-               "EM", "F1"]
-    table = [[s, k, c, r["answers"], f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}", f"{r['whole_p50']:.3f}",
-              f"{r['decode_tok_s']:.1f}", f"{r['answers_per_s']:.3f}", f"{r['em']:.1f}", f"{r['f1']:.1f}"]
+    headers = ["system", "k", "clients", "n", "failed", "TTFT p50", "TTFT p90", "whole p50", "decode tok/s",
+               "answers/s", "EM", "F1"]
+    table = [[s, k, c, r["answers"], r["errors"], f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}",
+              f"{r['whole_p50']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['answers_per_s']:.3f}", f"{r['em']:.1f}",
+              f"{r['f1']:.1f}"]
              for (s, k, c), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0]))]
     bc.print_table(f"Text RAG on llama.cpp vs CacheGraft serve (--weights {args.weights}), "
                    f"{args.max_tokens} new tokens, greedy", headers, table)
@@ -376,7 +396,12 @@ def main(argv=None) -> int:
         for proc in (peer, ours):
             proc.terminate()
             proc.wait(timeout=120)
-    rows = {key: row(answers, items, walls.get(key)) for key, answers in runs.items()}
+    cells = {key: row(answers, items, walls.get(key)) for key, answers in runs.items()}
+    rows = {key: r for key, r in cells.items() if r is not None}
+    failed = sum("error" in a for xs in runs.values() for a in xs)
+    if failed:
+        first = next(a["error"] for xs in runs.values() for a in xs if "error" in a)
+        print(f"{failed} requests failed (first: {first}); our server's stderr: {SERVE_LOG}", file=sys.stderr)
     agree = {(k, c): agreement(runs, k, c) for (_, k, c) in runs}
     figures = {"bench": "peer_llamacpp", "run": True, "questions": len(items), "machine_start": start_machine,
                "machine_end": bc.machine(), "prompt_ids_same": same,
@@ -387,7 +412,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({**figures, "answers": answers}, indent=1))
     report(rows, agree, same, args)
     print(json.dumps(figures))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

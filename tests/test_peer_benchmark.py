@@ -49,3 +49,17 @@ def test_agreement_pairs_answers_by_question(peer):
             ("text", 5, 1): [_answer(1, 0, 1, 2, "b"), _answer(0, 0, 1, 2, "x")]}
     assert peer.agreement(runs, 5, 1) == pytest.approx(0.5)
     assert peer.agreement(runs, 3, 1) is None
+
+
+def test_a_failed_request_is_counted_not_dropped(peer):
+    def one(i):
+        if i == 1:
+            raise RuntimeError("server said no")
+        return {"first": 0.1, "end": 0.2, "text": "Paris", "tokens": 2}
+
+    got = sorted(peer.concurrently(one, [0, 1, 2], 2), key=lambda a: a["item"])
+    assert [("error" in a) for a in got] == [False, True, False] and "server said no" in got[1]["error"]
+    items = [{"answers": ["Paris"]}] * 3
+    row = peer.row(got, items, wall=None)
+    assert row["answers"] == 2 and row["errors"] == 1 and row["em"] == pytest.approx(100.0)
+    assert peer.row([got[1]], items, wall=None) is None  # nothing answered: no figures to make up
