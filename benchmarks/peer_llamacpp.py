@@ -242,10 +242,10 @@ def one_client(items: list[dict], ks: list[int], urls: dict, max_tokens: int) ->
     """{(system, k, 1): [answers]}: per question, the systems back to back, the order rotating."""
     out: dict = {}
     for k in ks:
-        for i, item in enumerate(items):
+        for i in range(len(items)):
             for system in bc.rotated(list(SYSTEMS), i + k):
                 out.setdefault((system, k, 1), []).append(
-                    attempt(lambda _, s=system, k=k, item=item: ask(s, item, k, urls, max_tokens), i))
+                    attempt(lambda i, s=system, k=k: ask(s, items[i], k, urls, max_tokens), i))
             if (i + 1) % 20 == 0:
                 bc.log(f"k={k}: {i + 1}/{len(items)} questions at 1 client")
     return out

@@ -17,13 +17,15 @@ from cachegraft_cli.errors import CorpusError, UsageError
 from cachegraft_cli.session import ModelSession
 
 MAX_BATCH_SIZE = 4096  # passages per forward pass; more only pads memory to no gain
+PASSAGE_TOKENS = 512  # encode's default chunk size (--max-passage-tokens)
+MIN_PASSAGE_TOKENS = 16  # the smallest chunk size any command takes
 
 
 @dataclass
 class EncodeOptions:
     codec: str | None = None  # None: the existing store's codec, `store.codecs.DEFAULT_CODEC` (int8) for a new one
     batch_size: int = 8
-    max_passage_tokens: int = 512
+    max_passage_tokens: int = PASSAGE_TOKENS
     chunk_overlap: int = 0  # tokens a chunk of a split passage repeats from the end of the one before
     also_own_cache: bool = False
     commit_every: int = 2000
@@ -43,7 +45,7 @@ class EncodeOptions:
         if self.codec is not None:
             one_of("cache codec", self.codec, CODECS)
         whole("batch_size (--batch-size)", self.batch_size, 1, MAX_BATCH_SIZE)
-        whole("max_passage_tokens (--max-passage-tokens)", self.max_passage_tokens, 16, 1 << 20)
+        whole("max_passage_tokens (--max-passage-tokens)", self.max_passage_tokens, MIN_PASSAGE_TOKENS, 1 << 20)
         # at most half a chunk: each chunk must move on by more than it repeats
         whole("chunk_overlap (--chunk-overlap)", self.chunk_overlap, 0, self.max_passage_tokens // 2)
         flag("also_own_cache (--also-own-cache)", self.also_own_cache)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from cachegraft_cli.answering.assembly import DEFAULT_RECOMPUTE
 from cachegraft_cli.encoding.keep import DEFAULT_KEEP_BY
+from cachegraft_cli.encoding.plan import PASSAGE_TOKENS
 from cachegraft_cli.errors import NoPassagesError, UsageError
 from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
@@ -120,8 +121,9 @@ class StoreAnswerer:
             parts.append({"notes": notes})
         if mismatched:  # the mismatched-sharer control (`encoding.donors`)
             parts.append("mismatched")
-        if self._chunk_tokens.get(bench, 512) != 512:  # a re-chunked corpus never shares a store with the native one
-            parts.append({"passage_tokens": self._chunk_tokens[bench]})
+        tokens = self._chunk_tokens.get(bench, PASSAGE_TOKENS)
+        if tokens != PASSAGE_TOKENS:  # a re-chunked corpus never shares a store with the native one
+            parts.append({"passage_tokens": tokens})
         key = json.dumps(parts, sort_keys=True)
         return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
@@ -143,7 +145,7 @@ class StoreAnswerer:
     def passage_template(self):
         return self._session(self.config.fuser).template  # the tokenizer alone: no weights load
 
-    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = 512) -> None:
+    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = PASSAGE_TOKENS) -> None:
         from cachegraft_cli.corpus import Passage
         from cachegraft_cli.encoding.local import encode_corpus
         from cachegraft_cli.encoding.plan import EncodeOptions

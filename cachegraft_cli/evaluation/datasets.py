@@ -21,7 +21,6 @@ from cachegraft_cli.errors import DatasetError, HubUnreachableError, UsageError
 
 CORPUS_MODES = ("articles", "full")
 _OPTIONS = ("corpus", "articles", "limit", "passage_tokens")
-MIN_PASSAGE_TOKENS = 16  # as `encode --max-passage-tokens`
 _MISSING_HINT = "Check the path after -B name=; for a Hugging Face dataset write -B name=hf:DATASET[:SPLIT]."
 HF_COLUMNS = ("id", "question", "answers", "context", "title", "gold_ids")
 
@@ -118,6 +117,8 @@ def parse_dataset_spec(text: str) -> DatasetSpec:
     articles = _count_option("articles", options.pop("articles", None), text)
     limit = _count_option("limit", options.pop("limit", None), text)
     passage_tokens = _count_option("passage_tokens", options.pop("passage_tokens", None), text)
+    from cachegraft_cli.encoding.plan import MIN_PASSAGE_TOKENS  # encode's own bound
+
     if passage_tokens is not None and passage_tokens < MIN_PASSAGE_TOKENS:
         raise UsageError(f"Bad passage_tokens={passage_tokens} in {text!r}: chunks hold at least "
                          f"{MIN_PASSAGE_TOKENS} tokens.", "Give e.g. ?passage_tokens=512.")
@@ -477,20 +478,11 @@ def rechunk(bench: Benchmark, template, tokens: int) -> Benchmark:
 
 def _documents(passages: list[CorpusPassage]) -> list[tuple[str, str, str, dict[str, tuple[int, int]]]]:
     """(id, title, text, {passage id: its character span in text}) per article, in corpus order."""
-    by_title: dict[str, list[CorpusPassage]] = {}
-    order: list[str | CorpusPassage] = []
+    groups: dict[tuple[str, str], list[CorpusPassage]] = {}  # (title, "") or, untitled, ("", id): in corpus order
     for p in passages:
-        if not p.title:
-            order.append(p)
-        elif p.title not in by_title:
-            by_title[p.title] = [p]
-            order.append(p.title)
-        else:
-            by_title[p.title].append(p)
+        groups.setdefault((p.title, "") if p.title else ("", p.id), []).append(p)
     docs, ids = [], Counter[str]()
-    for item in order:
-        group = by_title[item] if isinstance(item, str) else [item]
-        title = group[0].title
+    for (title, _), group in groups.items():
         slug = slugify(title) if title else group[0].id
         ids[slug] += 1
         doc_id = slug if ids[slug] == 1 else f"{slug}~{ids[slug]}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from cachegraft_cli.answering.systems import K_FREE_SYSTEMS  # closed: answered once (k=0), shared by every k
+from cachegraft_cli.encoding.plan import PASSAGE_TOKENS
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.evaluation.datasets import (
     CORPUS_MODES,
@@ -36,7 +37,7 @@ from cachegraft_cli.evaluation.variants import base_system, check_variant
 
 
 class Answerer(Protocol):
-    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = 512) -> None:
+    def prepare(self, benchmark_name: str, passages: list[dict], max_passage_tokens: int = PASSAGE_TOKENS) -> None:
         """Encode the corpus ({id, title, text} dicts) into a store and index it; longer
         passages are split as `encode --max-passage-tokens` splits them."""
 
