@@ -32,8 +32,8 @@ def encode(
     codec: Annotated[
         Optional[str],
         typer.Option(help="int8 (0.47x raw bf16 KV, within 1 F1 point of lossless), bf16 (lossless, 0.81x), k8v4 "
-                     "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), tc (the transform codec: 0.14x at "
-                     "int4's fidelity or better, slower to load; needs a calibration: --calibration, or the one the "
+                     "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), tc (the transform codec: 0.124x at "
+                     "int4's KL, slower to load; needs a calibration: --calibration, or the one the "
                      "offline fuser ships) (default: the store's, int8 for a new one)."),
     ] = None,
     # Research controls (docs/experiments.md): they cost answer quality or only serve an experiment,

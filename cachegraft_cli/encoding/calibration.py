@@ -18,16 +18,17 @@ SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
 
 
 def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
-    """A new store's codec when none is named: int8 (the transform codec's stores are 3.3x smaller,
-    but graft's first token from them takes 1.28x as long as from int8, which misses the 1.2x bound a default must
-    keep: docs/results.md, "Store size"); and, where the fuser ships a calibration, a note that
+    """A new store's codec when none is named: int8 (the transform codec's stores are 3.8x smaller
+    and, with 64-token groups, graft's first token from them takes 1.12x as long on an AVX2 CPU,
+    but its answers at k = 1, 3, 5 and its speed on AVX512-BF16 CPUs are not yet measured:
+    docs/results.md, "Store size"); and, where the fuser ships a calibration, a note that
     `--codec tc` is one flag away."""
     from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
     if shipped_file(fuser_spec) is None:
         return DEFAULT_CODEC, None
-    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.14x (this fuser "
-                           "ships a calibration), at int4's fidelity or better, but slower to load: about +0.06 s "
+    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.124x (this fuser "
+                           "ships a calibration), at int4's KL, but slower to load: about +0.05 s "
                            "to the first token at k = 5 on a 2-core CPU (docs/results.md, \"Store size\").")
 
 

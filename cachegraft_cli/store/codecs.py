@@ -403,7 +403,8 @@ class TransformCodec(Codec):
     `group` into `code` rows of `group_words` uint32 words (zero-padded: zstd takes the padding);
     `head` holds each group's [words, tokens, shift]. A group whose code would not fit, or with a
     component beyond its class's range, is coded with its steps doubled `shift` times (caches unlike
-    the calibration's): every component's error stays within 1.5 of its group's steps.
+    the calibration's): every component's error stays within 1.5 of its group's steps (plus the
+    calibration's deadzone).
     `pos` keeps each token's index in its passage, the angle its keys were un-rotated by."""
 
     name = "tc"

@@ -28,10 +28,7 @@ FORMAT = "cachegraft-tc-calibration/1"
 # a calibration whose error is weighted by what it costs the model (`synthesis.*` arrays): readers
 # that know only FORMAT refuse it instead of rebuilding with the analysis matrix's transpose
 WEIGHTED_FORMAT = "cachegraft-tc-calibration/2"
-# a calibration whose nonzero symbols are rebuilt nearer zero (`reconstruction` in its metadata):
-# readers that know only the formats above refuse it instead of rebuilding at whole steps
-OFFSET_FORMAT = "cachegraft-tc-calibration/3"
-FORMATS = (FORMAT, WEIGHTED_FORMAT, OFFSET_FORMAT)
+FORMATS = (FORMAT, WEIGHTED_FORMAT)
 RIDGE = 1e-4  # the prediction's ridge, relative to the context's mean energy: well-posed on few tokens
 CLASSES_PER_OCTAVE = 4  # entropy classes by the symbols' spread: 1/4 octave apart
 SPREAD_RANGE = (-8.0, 10.0)  # log2 spreads beyond are put in the end classes
@@ -62,11 +59,6 @@ class Calibration:
     def deadzone(self) -> float:
         """How much further than half a step a coefficient must lie from zero to be coded nonzero."""
         return float(self.info.get("deadzone") or 0.0)
-
-    @property
-    def reconstruction(self) -> float:
-        """How far, in steps, a nonzero symbol is rebuilt nearer zero than its whole steps."""
-        return float(self.info.get("reconstruction") or 0.0)
 
     @property
     def layers(self) -> int:
@@ -215,8 +207,8 @@ def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.nd
     steps times `scale` `(...)`, clamped as the classes require (so `synthesise` rebuilds what was
     predicted from), and which tokens were clamped `(...)`: a coded component beyond its class's
     radius, or a never-coded one at 1.5 steps or more (plus the deadzone). Unclamped, every coded
-    component is within half a step plus the deadzone and reconstruction offset (under 1.5 in all),
-    and every never-coded one within 1.5 plus the deadzone. Leading dimensions are computed as stacks
+    component is within half a step plus the deadzone, and every never-coded one within 1.5 plus
+    the deadzone. Leading dimensions are computed as stacks
     (`(groups, tokens)`: one matrix product per group, so a token's result depends on its group alone)."""
     a = cal.work
     lead, (layers, c) = keys.shape[:-2], keys.shape[-2:]
@@ -234,7 +226,7 @@ def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.nd
             over |= (np.abs(z) > np.maximum(limit, 1)).any(-1)
             q = np.clip(z, -limit, limit).astype(np.int32)
             out[..., layer, kv, :] = q
-            recon[..., layer, :] = rebuild(a, layer, kv, q, scale, pred, cal.reconstruction)
+            recon[..., layer, :] = rebuild(a, layer, kv, q, scale, pred)
     return out, over
 
 
@@ -274,8 +266,7 @@ def synthesise(cal: Calibration, symbols, scale: np.ndarray) -> tuple[np.ndarray
     tk, tv = np.moveaxis(rk, 0, -2), np.moveaxis(rv, 0, -2)
     for layer in range(layers):
         for kv, recon in enumerate((rk, rv)):
-            recon[layer] = rebuild(a, layer, kv, symbols[..., layer, kv, :], scale, predict(a, layer, kv, tk, tv),
-                                   cal.reconstruction)
+            recon[layer] = rebuild(a, layer, kv, symbols[..., layer, kv, :], scale, predict(a, layer, kv, tk, tv))
     return tk, tv
 
 
@@ -287,21 +278,10 @@ def quantise(z: np.ndarray, deadzone: float = 0.0) -> np.ndarray:
     return np.copysign(np.floor(np.abs(z) + (0.5 - deadzone)), z)
 
 
-def levels(q: np.ndarray, offset: float = 0.0) -> np.ndarray:
-    """Symbols `q` as the float32 multiples of the step they stand for: `q`, or with `offset` > 0
-    each nonzero one `offset` steps nearer zero (where the coefficients that fell into it lie on
-    average: they crowd toward zero)."""
-    x = q.astype(np.float32)
-    if offset:
-        x -= np.float32(offset) * np.sign(x)
-    return x
-
-
-def rebuild(a: dict, layer: int, kv: int, q: np.ndarray, scale: np.ndarray, pred, offset: float = 0.0) -> np.ndarray:
-    """A layer's keys or values from their symbols `q` `(..., C)` at steps times `scale` `(...)`,
-    nonzero ones rebuilt `offset` steps nearer zero."""
+def rebuild(a: dict, layer: int, kv: int, q: np.ndarray, scale: np.ndarray, pred) -> np.ndarray:
+    """A layer's keys or values from their symbols `q` `(..., C)` at steps times `scale` `(...)`."""
     name = "kv"[kv]
-    x = levels(q, offset) @ a[f"scaled.{layer}.{name}"]
+    x = q.astype(np.float32) @ a[f"scaled.{layer}.{name}"]
     if (scale != 1).any():  # groups coded at coarser steps (rare): their symbols are in larger units
         x *= scale[..., None].astype(np.float32)
     x += a[f"const.{layer}.{name}"]
@@ -327,18 +307,19 @@ class FitOptions:
     value_step: float = 0.35
     rope_theta: float | None = None  # None: 10,000 (`encoding.calibration` reads the receiver's)
     position_offset: int = 0  # a passage's first token's position (the template prefix's length)
-    group: int = 16  # tokens per ANS stream (the codec's read granularity)
+    # tokens per entropy-coded group (the codec's read granularity): 64 codes 3% smaller than 16
+    # and decodes faster (fewer, larger frames and products; docs/results.md, "Store size")
+    group: int = 64
     predict: bool = True  # False, True: the ablations of docs/results.md
     transform: bool = True
     headroom: float = 1.5  # code rows hold this times the calibration's largest group
     # per layer, the key and value steps' multipliers ((L, 2) nested; None: all 1): steps where
     # errors cost the model less made coarser (benchmarks/layer_sensitivity.py measures them)
     layer_steps: tuple | None = None
-    # steps beyond half a step a coefficient must reach to be coded nonzero (0: nearest symbol);
-    # an encoder's choice, read by no decoder
-    deadzone: float = 0.0
-    # steps nearer zero each nonzero symbol is rebuilt (0: at whole steps); a decoder must know it
-    reconstruction: float = 0.0
+    # steps beyond half a step a coefficient must reach to be coded nonzero (0: the nearest symbol);
+    # an encoder's choice that decoders need not know. 0.1 codes 3% smaller than 0 at the same
+    # weighted error; rebuilding nonzero symbols nearer zero as well did not pay (docs/results.md)
+    deadzone: float = 0.1
 
 
 def fit(caches: list[np.ndarray], settings: FitOptions, source: str = "", roots: np.ndarray | None = None,
@@ -355,8 +336,8 @@ def fit(caches: list[np.ndarray], settings: FitOptions, source: str = "", roots:
     if settings.layer_steps is not None and (np.shape(settings.layer_steps) != (layers, 2)
                                              or not (np.asarray(settings.layer_steps) > 0).all()):
         raise ValueError(f"layer_steps must be ({layers}, 2) positive multipliers")
-    if not (0 <= settings.deadzone < 0.5 and 0 <= settings.reconstruction < 0.5):
-        raise ValueError("deadzone and reconstruction are steps in [0, 0.5)")
+    if not 0 <= settings.deadzone < 0.5:
+        raise ValueError("the deadzone is in steps, in [0, 0.5)")
     inv_freq = inv_frequencies(settings.rope_theta or 10000.0, dim)
     positions = np.concatenate([settings.position_offset + np.arange(len(x)) for x in caches])
     keys, values = split(np.concatenate(caches), positions, inv_freq)
@@ -376,11 +357,10 @@ def fit(caches: list[np.ndarray], settings: FitOptions, source: str = "", roots:
                 / arrays["step"][layer, kv]
             q = np.clip(quantise(z, settings.deadzone), -MAX_RADIUS, MAX_RADIUS).astype(np.int32)
             symbols[:, layer, kv] = q
-            recon[:, layer] = rebuild(work, layer, kv, q, ones, pred, settings.reconstruction)
+            recon[:, layer] = rebuild(work, layer, kv, q, ones, pred)
     arrays.update(_classes(symbols))
     bits = _token_bits(arrays, symbols)
-    fmt = OFFSET_FORMAT if settings.reconstruction else FORMAT if roots is None else WEIGHTED_FORMAT
-    info = {"format": fmt, "weighting": weighting,
+    info = {"format": FORMAT if roots is None else WEIGHTED_FORMAT, "weighting": weighting,
             "geometry": {"layers": int(layers), "kv_heads": int(heads), "head_dim": int(dim)},
             "group": settings.group, "group_words": _group_words(bits, settings),
             # on its own passages (in-sample); other passages cost more (docs/results.md, "Store size")
@@ -390,7 +370,6 @@ def fit(caches: list[np.ndarray], settings: FitOptions, source: str = "", roots:
                                                                       for row in settings.layer_steps],
             "position_offset": settings.position_offset, "predict": settings.predict,
             **({"deadzone": settings.deadzone} if settings.deadzone else {}),
-            **({"reconstruction": settings.reconstruction} if settings.reconstruction else {}),
             "transform": settings.transform, "tokens": int(len(keys)), "passages": len(caches),
             "source": source}
     return Calibration(arrays, info)

@@ -20,8 +20,9 @@ from cachegraft_cli.store.entropy import BandCoder, GroupCoder, bands
 
 PROPS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CAL = tc_calibration()
-# nonzero symbols only 0.7 steps from zero on, rebuilt 0.15 steps nearer it
-DEADZONE = tc_calibration(deadzone=0.2, reconstruction=0.15)
+NEAREST = tc_calibration(deadzone=0.0, group=16)  # the rounding and groups of calibrations before 2026-12-06
+# nonzero symbols only 0.7 steps from zero on
+DEADZONE = tc_calibration(deadzone=0.2)
 C = GEOMETRY["kv_heads"] * GEOMETRY["head_dim"]
 
 
@@ -96,11 +97,11 @@ def test_rotation_is_undone_exactly_enough_and_preserves_norms(seed, tokens, sta
 
 
 @PROPS
-@given(st.integers(0, 2**32 - 1), st.integers(1, 50), st.floats(0.05, 20), st.sampled_from([CAL, DEADZONE]))
+@given(st.integers(0, 2**32 - 1), st.integers(1, 50), st.floats(0.05, 20), st.sampled_from([CAL, NEAREST, DEADZONE]))
 def test_analysis_and_synthesis_agree_and_stay_within_half_a_step(seed, tokens, scale, cal):
     """The decoder rebuilds, layer by layer, exactly what the encoder predicted from; unclamped
     tokens are within half a step of every coded component (1.5 of never-coded ones), plus the
-    deadzone and the reconstruction offset where the calibration has them."""
+    deadzone where the calibration has one."""
     rng = np.random.default_rng(seed)
     x = structured_cache(rng, tokens) * np.float32(scale)
     pos = 4 + np.arange(tokens)
@@ -108,7 +109,7 @@ def test_analysis_and_synthesis_agree_and_stay_within_half_a_step(seed, tokens, 
     scale_t = 2.0 ** rng.integers(0, 3, tokens)
     symbols, over = tf.analyse(cal, keys, values, scale_t)
     rk, rv = tf.synthesise(cal, symbols, scale_t)
-    a, dz, off = cal.work, cal.deadzone, cal.reconstruction
+    a, dz = cal.work, cal.deadzone
     for layer in range(GEOMETRY["layers"]):
         for kv, (orig, recon) in enumerate(((keys, rk), (values, rv))):
             step = a["step"][layer, kv] * scale_t[:, None]
@@ -116,7 +117,7 @@ def test_analysis_and_synthesis_agree_and_stay_within_half_a_step(seed, tokens, 
             # the error in the transform domain (the basis is orthonormal to float16 precision)
             err = np.abs(((orig[:, layer] - recon[:, layer]) @ basis) / step)[~over]
             coded = tf.radii(cal, layer, kv) > 0
-            assert (err[:, coded] <= 0.5 + dz + off + 2e-2).all() and (err <= 1.5 + dz + 2e-2).all()
+            assert (err[:, coded] <= 0.5 + dz + 2e-2).all() and (err <= 1.5 + dz + 2e-2).all()
     # the reconstruction the writer's encoder makes is the decoder's, bit for bit
     again, _ = tf.analyse(cal, *tf.split(tf.join(rk, rv, pos, cal.arrays["inv_freq"], 2), pos,
                                           cal.arrays["inv_freq"]), scale_t)
@@ -132,38 +133,27 @@ def test_the_fit_is_deterministic_and_its_file_round_trips():
     assert np.allclose(basis.T @ basis, np.eye(C), atol=5e-3)  # a complete orthonormal basis
 
 
-def test_the_deadzone_rounds_toward_zero_and_the_offset_rebuilds_nearer_it():
+def test_the_deadzone_rounds_toward_zero():
     z = np.array([0.69, 0.71, -0.71, 1.69, 1.71, -2.2, 0.0])
     assert np.array_equal(tf.quantise(z, 0.2), [0, 1, -1, 1, 2, -2, 0])
     assert np.array_equal(tf.quantise(z), np.rint(z))
-    assert np.allclose(tf.levels(np.array([0, 1, -1, 3]), 0.15), [0, 0.85, -0.85, 2.85])
 
 
 def test_a_deadzone_calibration_codes_fewer_nonzero_symbols_and_records_its_settings():
     x = structured_cache(np.random.default_rng(5), 40)
     keys, values = tf.split(x, 4 + np.arange(40), CAL.arrays["inv_freq"])
-    plain, _ = tf.analyse(CAL, keys, values, np.ones(40))
+    plain, _ = tf.analyse(NEAREST, keys, values, np.ones(40))
     dz, _ = tf.analyse(DEADZONE, keys, values, np.ones(40))
     assert np.count_nonzero(dz) < 0.9 * np.count_nonzero(plain)
-    assert (DEADZONE.info["deadzone"], DEADZONE.info["reconstruction"]) == (0.2, 0.15)
-    assert "deadzone" not in CAL.info and CAL.deadzone == 0 and CAL.reconstruction == 0
-    back = tf.Calibration.from_bytes(DEADZONE.to_bytes())
-    assert (back.deadzone, back.reconstruction) == (0.2, 0.15)
+    # an encoder's choice: the format stays, every reader decodes it as any other
+    assert DEADZONE.info["deadzone"] == 0.2 and DEADZONE.info["format"] == NEAREST.info["format"]
+    assert "deadzone" not in NEAREST.info and NEAREST.deadzone == 0
+    assert (CAL.deadzone, CAL.info["group"], NEAREST.info["group"]) == (0.1, 64, 16)  # today's defaults
+    assert tf.Calibration.from_bytes(DEADZONE.to_bytes()).deadzone == 0.2
     c = tc(DEADZONE)
     assert np.sqrt(((c.decode(c.encode(x), 0, 40) - x) ** 2).mean() / (x**2).mean()) < 0.2
     with pytest.raises(ValueError, match="deadzone"):
         tc_calibration(deadzone=0.5)
-
-
-def test_a_reader_that_rebuilds_at_whole_steps_refuses_an_offset_calibration(monkeypatch):
-    """A rebuild offset changes what every symbol means: such a calibration has its own format,
-    which readers of the formats before it refuse; a deadzone alone keeps the format (decoders
-    rebuild its symbols as any others)."""
-    assert DEADZONE.info["format"] == tf.OFFSET_FORMAT
-    assert tc_calibration(deadzone=0.2).info["format"] == tf.FORMAT
-    monkeypatch.setattr(tf, "FORMATS", (tf.FORMAT, tf.WEIGHTED_FORMAT))
-    with pytest.raises(StoreMetadataError, match="format"):
-        tf.Calibration.from_bytes(DEADZONE.to_bytes())
 
 
 def test_layer_steps_scale_each_layers_steps_and_are_recorded():
