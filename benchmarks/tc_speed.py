@@ -6,7 +6,7 @@ entropy stages (zstd bands, the default; ANS, the first tc stores'); and the
 Qwen3-0.6B geometry (28 layers x 8 KV heads x 128) on synthetic caches with structure (64
 shared latent features per token plus noise), calibrated on 2,400 of them. `time.process_time`.
 
-    python benchmarks/tc_speed.py --store FLOAT32_STORE
+    python benchmarks/tc_speed.py --store FLOAT32_STORE [--compare CALIBRATION] [--no-qwen3]
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True, help="a float32 store of the offline pair's fused caches")
+    ap.add_argument("--compare", default=None, help="another calibration file, timed after the shipped one (zstd)")
+    ap.add_argument("--no-qwen3", action="store_true", help="skip the Qwen3-0.6B geometry")
     args = ap.parse_args()
     torch.set_num_threads(1)
     store = CacheStore.open(args.store)
@@ -79,6 +81,11 @@ def main() -> None:
         codec = get_codec(name[:2] if name.startswith("tc") else name, store.geometry,
                           {"calibration": cal, **params} if name.startswith("tc") else None)
         print(row("offline, real fused caches", name, timed(codec, caches), tokens), flush=True)
+    if args.compare:
+        codec = get_codec("tc", store.geometry, {"calibration": load_file(args.compare)})
+        print(row("offline, real fused caches", "tc[compare]", timed(codec, caches), tokens), flush=True)
+    if args.no_qwen3:
+        return
     rng = np.random.default_rng(0)
     mix = rng.normal(0, 1, (28, 2, 64, 1024)).astype(np.float32)
     t0 = time.perf_counter()

@@ -312,7 +312,10 @@ class FitOptions:
     group: int = 64
     predict: bool = True  # False, True: the ablations of docs/results.md
     transform: bool = True
-    headroom: float = 1.5  # code rows hold this times the calibration's largest group
+    # code rows hold this times the calibration's costliest group: a 64-token group's cost varies
+    # less than a 16-token one's, so its costliest is nearer the typical one, and caches up to twice
+    # the calibration's scale still need to fit (zero padding costs nothing stored: zarr compresses it)
+    headroom: float = 2.0
     # per layer, the key and value steps' multipliers ((L, 2) nested; None: all 1): steps where
     # errors cost the model less made coarser (benchmarks/layer_sensitivity.py measures them)
     layer_steps: tuple | None = None

@@ -271,8 +271,10 @@ def test_every_error_is_within_one_and_a_half_of_its_groups_steps(seed, tokens, 
             step = cal.work["step"][layer, kv] * 2.0 ** shift[:, None]
             err = ((a[:, layer] - b[:, layer]) @ cal.work[f"basis.{layer}.{'kv'[kv]}"]) / step
             assert np.abs(err).max() <= 1.5 + cal.deadzone + 2e-2
-    if structured and scale < 2:
-        assert (shift == 0).all()  # caches like the calibration's fit at its own steps
+    if structured and scale < 1.5:
+        # caches like the calibration's fit at its own steps (from about 1.75x its scale on, a rare
+        # token past a class's radius codes its group coarser: 2,100 draws, 16- and 64-token groups)
+        assert (shift == 0).all()
 
 
 def test_caches_unlike_the_calibration_are_coded_coarser_not_refused():
