@@ -86,7 +86,9 @@ def test_two_actors_make_the_local_runners_store(ray_cluster, choice, local_stor
     assert [s["name"] for s in store.segments] == summary.segments
     assert {s["run_info"]["engine"] for s in store.segments} == {"ray"}
     pids = {s["name"].rsplit("-", 2)[1] for s in store.segments}  # <time>-<host>-<pid>-<random>
-    assert len(pids) == 2  # both actors wrote segments
+    # written by the pool's actors: usually both, but Ray Data hands windows to whichever actor is
+    # free, and on 2 busy cores one actor can take all 8 before the other starts (seen in CI)
+    assert 1 <= len(pids) <= 2
     again = encode_on_ray(_passages(N), Target.open(url), choice, OPTIONS, RayOptions(actors=2))
     assert again.added == 0 and again.skipped_existing == N and again.segments == []
 
