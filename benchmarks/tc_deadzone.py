@@ -81,26 +81,36 @@ def complete(url: str, passages) -> bool:
     from cachegraft_cli.store import CacheStore
 
     try:
-        return {p.id for p in passages} <= {row.id for row in CacheStore.open(url).rows()}
+        store = CacheStore.open(url)
     except Exception:  # noqa: BLE001 - missing or unreadable: encode it
         return False
+    return all(p.id in store for p in passages)
 
 
-def error_and_bytes(cal, reference, caches: list[np.ndarray]) -> tuple[float, float]:
-    """(error per token, bytes per token) of `caches` through the codec with calibration `cal`: the
-    weighted error of each layer and K/V in units of `reference`'s step for it, squared, summed."""
+def unrotated(cal, caches: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each cache's keys without RoPE and its values, as `cal` splits them (computed once: every
+    variant of one base calibration shares its angles and prefix)."""
+    from cachegraft_cli.store import transform as tf
+
+    offset = int(cal.info["position_offset"])
+    return [tf.split(x, offset + np.arange(len(x)), cal.arrays["inv_freq"]) for x in caches]
+
+
+def error_and_bytes(cal, reference, caches: list[np.ndarray], originals: list) -> tuple[float, float]:
+    """(error per token, bytes per token) of `caches` (`originals`: their `unrotated` split) through
+    the codec with calibration `cal`: the weighted error of each layer and K/V in units of
+    `reference`'s step for it, squared, summed."""
     from cachegraft_cli.store import transform as tf
     from cachegraft_cli.store.codecs import get_codec
 
     codec = get_codec("tc", cal.info["geometry"], {"calibration": cal})
     inv, offset = cal.arrays["inv_freq"], codec.offset
     err, stored, tokens = 0.0, 0.0, 0
-    for x in caches:
+    for x, (kx, vx) in zip(caches, originals):
         parts = codec.encode(x)
         y = codec.decode(parts, 0, len(x))
         stored += 4 * parts["head"][:, 0].sum() + parts["head"].nbytes + parts["pos"].nbytes
-        pos = offset + np.arange(len(x))
-        (kx, vx), (ky, vy) = tf.split(x, pos, inv), tf.split(y, pos, inv)
+        ky, vy = tf.split(y, offset + np.arange(len(x)), inv)
         for layer in range(cal.layers):
             for kv, (a, b) in enumerate(((kx, ky), (vx, vy))):
                 # the analysis matrix is orthonormal in the weighted space: this is the weighted norm
@@ -122,6 +132,7 @@ def at_error(points: list[tuple[float, float]], target: float) -> float:
 
 def main(argv=None) -> int:
     from cachegraft_cli.encoding.calibration import load_file, shipped_file
+    from cachegraft_cli.store.codecs import raw_bf16_bytes_per_token
 
     args = parse_args(argv)
     bc.set_threads(args.threads)
@@ -130,7 +141,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     shipped = load_file(args.base or shipped_file(OFFLINE_FUSER))
     caches = test_caches(session, args)
-    geometry = shipped.info["geometry"]
+    originals, raw = unrotated(shipped, caches), raw_bf16_bytes_per_token(shipped.info["geometry"])
     make = refitter(session, args, shipped) if args.refit else \
         (lambda dz, m: changed(shipped, dz, m, args.group))
     bc.log(f"caches: {sum(map(len, caches)):,} tokens scored ({time.perf_counter() - t0:.0f}s)")
@@ -144,11 +155,11 @@ def main(argv=None) -> int:
             cal = make(dz, m)
             if args.write:
                 Path(args.write, f"dz{dz:g}-x{m:g}-g{args.group}.safetensors").write_bytes(cal.to_bytes())
-            err, per_token = error_and_bytes(cal, shipped, caches)
+            err, per_token = error_and_bytes(cal, shipped, caches, originals)
             curves.setdefault(variant, []).append((err, per_token))
-            rows.append([variant, m, f"{per_token:,.0f}", f"{per_token / tf_raw(geometry):.4f}", f"{err:.2f}"])
+            rows.append([variant, m, f"{per_token:,.0f}", f"{per_token / raw:.4f}", f"{err:.2f}"])
             bc.log(f"{variant} x{m}: {per_token:,.0f} B/token, error {err:.2f} ({time.perf_counter() - t0:.0f}s)")
-    raw, first = tf_raw(geometry), curves[variants[0]]
+    first = curves[variants[0]]
     target = first[multipliers.index(1.0)][0]
     summary = [[v, f"{at_error(p, target):,.0f}", f"{at_error(p, target) / raw:.4f}",
                 f"{100 * (at_error(p, target) / at_error(first, target) - 1):+.1f}%"] for v, p in curves.items()]
@@ -198,12 +209,6 @@ def changed(cal, deadzone: float, multiplier: float, group: int = 16):
             "derived_from": {"sha256": cal.sha256, "by": f"benchmarks/tc_deadzone.py: deadzone {deadzone:g}, "
                                                         f"{group}-token groups, steps x{multiplier:g}"}}
     return tf.Calibration(arrays, info)
-
-
-def tf_raw(geometry: dict) -> int:
-    from cachegraft_cli.store.codecs import raw_bf16_bytes_per_token
-
-    return raw_bf16_bytes_per_token(geometry)
 
 
 if __name__ == "__main__":
