@@ -36,7 +36,9 @@ DTYPES = ("i8", "f16", "f32")
 EXACT_ROWS = 4096  # segments this small are scored exactly (see the module docstring)
 
 
-def _threads() -> int:
+def thread_count() -> int:
+    """Threads for building and searching a graph. Two-thread builds are faster but depend on
+    thread timing: the same rows can give slightly different graphs (tests pin one thread)."""
     return max(1, min(2, os.cpu_count() or 1))
 
 
@@ -60,7 +62,7 @@ class UsearchEngine(SegmentedVectors):
         index = Index(ndim=vectors.shape[1], metric="cos", dtype=self.params["dtype"],
                       connectivity=self.params["connectivity"], expansion_add=self.params["expansion_add"],
                       expansion_search=self.params["expansion_search"])
-        index.add(rows.astype(np.uint64), vectors, threads=_threads())
+        index.add(rows.astype(np.uint64), vectors, threads=thread_count())
         index.save(str(path / FILE))
         np.save(path / VECTORS, vectors.astype(np.float32, copy=False))
 
@@ -78,7 +80,7 @@ class UsearchEngine(SegmentedVectors):
         count = min(count, len(rows))
         if len(rows) <= EXACT_ROWS:
             return exact_search(rows, vectors, queries, count)
-        matches = graph.search(queries, min(len(rows), max(4 * count, count + 32)), threads=_threads())
+        matches = graph.search(queries, min(len(rows), max(4 * count, count + 32)), threads=thread_count())
         keys = np.atleast_2d(matches.keys).astype(np.int64)
         # one query comes back as `Matches` (already cut to what was found), several as `BatchMatches`
         counts = np.atleast_1d(np.asarray(getattr(matches, "counts", keys.shape[1])))
