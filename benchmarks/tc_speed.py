@@ -44,7 +44,7 @@ def timed(codec, caches: list) -> tuple[float, float, int, float]:
     return 1e6 * enc / n, 1e6 * dec / n, shifted, code
 
 
-CODECS = (("int8", {}), ("tc", {}), ("tc-ans", {"entropy": "ans"}))
+CODECS = (("int8", {}), ("tc", {}), ("tc-zstd", {"entropy": "zstd", "level": 15}), ("tc-ans", {"entropy": "ans"}))
 
 
 def row(label: str, name: str, figures: tuple, tokens: int) -> str:

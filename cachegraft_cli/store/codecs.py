@@ -119,6 +119,11 @@ class Codec:
     def components(self) -> list[Component]:
         raise NotImplementedError
 
+    def format_version(self) -> int:
+        """The store format a new store of this codec is written at (store/layout.py): the lowest
+        that holds it, so that builds reading only older formats keep reading it."""
+        return 2
+
     def encode_tensor(self, x) -> dict:
         """Component rows of a staged block, as torch tensors on the block's device."""
         raise NotImplementedError
@@ -409,8 +414,9 @@ class TransformCodec(Codec):
 
     name = "tc"
     DEFAULTS = {"group": 16}
-    NEW = {"entropy": "zstd", "level": 15}  # a new store's entropy stage (15: the bytes of 19 at half its CPU)
-    ENTROPY = ("zstd", "ans")
+    NEW = {"entropy": "deflate"}  # a new store's entropy stage (store/entropy.py)
+    ENTROPY = ("deflate", "zstd", "ans")
+    ZSTD_LEVEL = 15  # zstd stores' writer level when none is recorded (15: the bytes of 19 at half its CPU)
     CALIBRATION_DIR = "codec"
 
     def __init__(self, geometry, params=None):
@@ -420,16 +426,16 @@ class TransformCodec(Codec):
         if cal is not None and not isinstance(cal, str):  # a fitted Calibration, for a new store
             self._cal = cal
             params = {**self.NEW, **params}
-            zstd = params["entropy"] == "zstd"
+            banded = params["entropy"] != "ans"  # each band's frame header and table: a few words a row
             params.update(calibration=cal.sha256, position_offset=int(cal.info["position_offset"]),
                           group=int(cal.info["group"]),
-                          group_words=params.get("group_words") or cal.info["group_words"] + 8 * zstd * bands(cal))
+                          group_words=params.get("group_words") or cal.info["group_words"] + 8 * banded * bands(cal))
         super().__init__(geometry, {**self.DEFAULTS, **params})
         # stored params stay as written (a segment's commit record holds them): no key means ANS
-        self.entropy, self.level = self.params.get("entropy", "ans"), self.params.get("level", self.NEW["level"])
+        self.entropy, self.level = self.params.get("entropy", "ans"), self.params.get("level", self.ZSTD_LEVEL)
         if self.entropy not in self.ENTROPY or not isinstance(self.level, int) or not 1 <= self.level <= 22:
-            raise UsageError(f"the tc codec's entropy stage is one of {', '.join(self.ENTROPY)} at a zstd level "
-                             f"1-22; got {self.entropy!r}, level {self.level!r}.", hint="Leave them at their defaults.")
+            raise UsageError(f"the tc codec's entropy stage is one of {', '.join(self.ENTROPY)} (zstd at a level "
+                             f"1-22); got {self.entropy!r}, level {self.level!r}.", hint="Leave them at their defaults.")
         self._loc = None
         self._coder = None
         sha, words = self.params.get("calibration"), self.params.get("group_words")
@@ -446,6 +452,9 @@ class TransformCodec(Codec):
         if _geometry(geometry)[2] % 2:
             raise UsageError(f"the tc codec needs an even head_dim (RoPE pairs); got {geometry}.",
                              hint="Use --codec int8.")
+
+    def format_version(self) -> int:
+        return 4 if self.entropy == "deflate" else 3  # 3: a calibration file; 4: deflate frames too
 
     def components(self) -> list[Component]:
         return [Component("code", "uint32", self.group, (self.words,)),
@@ -509,8 +518,8 @@ class TransformCodec(Codec):
             from cachegraft_cli.store.entropy import BandCoder, GroupCoder
 
             cal = self.calibration()
-            if self.entropy == "zstd":
-                self._coder = BandCoder(cal.arrays["klass"], cal.arrays["radius"], self.level)
+            if self.entropy != "ans":
+                self._coder = BandCoder(cal.arrays["klass"], cal.arrays["radius"], self.entropy, self.level)
             else:
                 self._coder = GroupCoder(cal.arrays["klass"], cal.class_probabilities(), cal.arrays["radius"])
         return self._coder
@@ -595,7 +604,7 @@ class TransformCodec(Codec):
 
 
 def bands(cal) -> int:
-    """How many zstd bands a calibration's components fall into (each costs a few words a row)."""
+    """How many bands a calibration's components fall into (each frame costs a few words a row)."""
     from cachegraft_cli.store.entropy import BandCoder, bands as cut
 
     return len(cut(cal.arrays["klass"].reshape(-1).astype(np.int64), cal.arrays["radius"], BandCoder.MIN_BAND))

@@ -2,17 +2,20 @@
 
 Two coders, chosen per store (the tc codec's `entropy` parameter, docs/store-format.md):
 
-- `BandCoder` ("zstd", new stores): the coded components, in class order, cut into bands of
-  similar spread; each band's symbols component-major (int8, or int16 as a low-byte plane then a
-  high-byte plane) in one zstd frame (the `zstandard` library). zstd fits a Huffman table to each
-  frame, so each band gets its own model; decoding costs about 10 us per token against ANS's 100+
-  (it is most of a cache's load time) for 3% more bytes (docs/results.md, "Store size").
+- `BandCoder` ("deflate", new stores; "zstd", stores of 2026-12-04 to 2026-12-06): the coded
+  components, in class order, cut into bands of similar spread; each band's symbols
+  component-major in one frame, so each band gets its own Huffman table. "deflate" frames pack
+  small symbols several to a byte and Huffman-code the bytes (raw deflate, RFC 1951; any inflate
+  reads them); "zstd" frames hold one symbol per byte (int16 as a low-byte plane then a high-byte
+  plane) and need zstd's slow optimal parser to come near (docs/results.md, "Store size").
 - `GroupCoder` ("ans", the first tc stores): one ANS stream (constriction) with static per-class
   models from the calibration's histograms: for each class in order, the symbols of its
   components, token-major.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -71,25 +74,32 @@ class GroupCoder:
 
 
 class BandCoder:
-    """Codes symbol groups band by band with zstd. A group's words: one uint32 per band (its
-    frame's length in bytes), then the frames back to back, zero-padded to whole words."""
+    """Codes symbol groups band by band, each band one frame. A group's words: one uint32 per band
+    (its frame's length in bytes), then the frames back to back, zero-padded to whole words."""
 
     MIN_BAND = 128  # coded components per band at least: each frame carries its own table
+    FRAMES = ("deflate", "zstd")
 
-    def __init__(self, klass: np.ndarray, radius: np.ndarray, level: int):
+    def __init__(self, klass: np.ndarray, radius: np.ndarray, frame: str = "deflate", level: int = 15):
+        if frame not in self.FRAMES:
+            raise ValueError(f"unknown band frame {frame!r}")
         flat = klass.reshape(-1).astype(np.int64)
         self.width = len(flat)
         self.bands = bands(flat, radius, self.MIN_BAND)
         self.order = np.concatenate(self.bands + [np.zeros(0, np.int64)])  # class order, as GroupCoder's
         self.wide = [bool(radius[np.unique(flat[b])].max(initial=0) > 127) for b in self.bands]
-        self.level = int(level)
+        self.frame, self.level = frame, int(level)
 
     def encode(self, symbols: np.ndarray) -> np.ndarray:
         """uint32 words of `symbols` `(tokens, width)` (int, within the class radii)."""
-        import zstandard
+        flat = symbols.reshape(len(symbols), self.width)
+        if self.frame == "zstd":
+            import zstandard
 
-        flat, zstd = symbols.reshape(len(symbols), self.width), zstandard.ZstdCompressor(level=self.level)
-        frames = [zstd.compress(planes(flat[:, b].T, wide)) for b, wide in zip(self.bands, self.wide)]
+            zstd = zstandard.ZstdCompressor(level=self.level)
+            frames = [zstd.compress(planes(flat[:, b].T, wide)) for b, wide in zip(self.bands, self.wide)]
+        else:
+            frames = [deflate_frame(flat[:, b].T, wide) for b, wide in zip(self.bands, self.wide)]
         body = b"".join(frames)
         body += bytes(-len(body) % 4)
         return np.concatenate([np.array([len(f) for f in frames], np.uint32), np.frombuffer(body, "<u4")])
@@ -101,20 +111,113 @@ class BandCoder:
     def decode_ordered(self, words: np.ndarray, tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         """The coded components' symbols band after band (class order), component-major
         `(len(order), tokens)` as the frames hold them, into `out` when given."""
-        import zstandard
-
         out = np.empty((len(self.order), tokens), np.int32) if out is None else out
         if tokens == 0:
             return out
         words = np.ascontiguousarray(words, "<u4")
         lengths, body = words[: len(self.bands)].astype(np.int64), words[len(self.bands):].tobytes()
-        at, row, zstd = 0, 0, zstandard.ZstdDecompressor()
+        at, row = 0, 0
+        if self.frame == "zstd":
+            import zstandard
+
+            zstd = zstandard.ZstdDecompressor()
         for b, wide, n in zip(self.bands, self.wide, lengths.tolist()):
-            size = len(b) * tokens * (2 if wide else 1)
-            raw = np.frombuffer(zstd.decompress(body[at: at + n], max_output_size=size), np.uint8)
-            out[row: row + len(b)] = unplanes(raw, wide, len(b), tokens)
+            frame = body[at: at + n]
+            if self.frame == "zstd":
+                size = len(b) * tokens * (2 if wide else 1)
+                out[row: row + len(b)] = unplanes(sized(zstd.decompress(frame, max_output_size=size), size),
+                                                  wide, len(b), tokens)
+            else:
+                inflate_frame(frame, wide, out[row: row + len(b)])
             at, row = at + n, row + len(b)
         return out
+
+
+# Symbols packed several to a byte, by the band's largest magnitude r in the group: 5 for r = 1
+# (3^5 = 243 values), 3 for r = 2 (125), 2 up to r = 7 (225), else one. Huffman codes spend at
+# least a bit per byte, and most symbols are 0: packing lets one code cover 2-5 of them
+# (6% fewer bytes than one symbol per byte; docs/results.md, "Store size").
+PACK = {1: 5, 2: 3, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2}
+
+
+def deflate_frame(x: np.ndarray, wide: bool) -> bytes:
+    """One band's symbols `(components, tokens)` as a "deflate" frame: int16 bands their two
+    planes deflated; int8 bands one byte r = max |symbol|, then (unless r = 0) the packed
+    symbols deflated."""
+    if wide:
+        return deflate(planes(x, True))
+    s = x.reshape(-1).astype(np.int64)
+    r = int(np.abs(s).max(initial=0))
+    if r == 0:
+        return b"\0"
+    base, per = 2 * r + 1, PACK.get(r, 1)
+    whole = len(s) // per * per
+    digits = (s[:whole] + r).reshape(-1, per)
+    packed = np.zeros(len(digits), np.int64)
+    for j in range(per):
+        packed = packed * base + digits[:, j]
+    return bytes([r]) + deflate(packed.astype(np.uint8).tobytes() + (s[whole:] + r).astype(np.uint8).tobytes())
+
+
+def inflate_frame(frame: bytes, wide: bool, out: np.ndarray) -> None:
+    """A "deflate" frame's symbols into `out` `(components, tokens)` int32: the inverse of
+    `deflate_frame`."""
+    rows, cols = out.shape
+    count = rows * cols
+    if wide:
+        out[:] = unplanes(sized(inflate(frame, 2 * count), 2 * count), True, rows, cols)
+        return
+    if not frame:
+        raise ValueError("an empty band frame")
+    r = frame[0]
+    if r == 0:
+        out[:] = 0
+        return
+    if r > 127:
+        raise ValueError(f"a band frame's symbols reach {r}, beyond int8")
+    base, per = 2 * r + 1, PACK.get(r, 1)
+    whole = count // per
+    size = whole + count - whole * per
+    raw = sized(inflate(frame[1:], size), size)
+    if raw[:whole].max(initial=0) >= base**per or raw[whole:].max(initial=0) >= base:
+        raise ValueError("a band frame holds symbols beyond its range")
+    flat = out.reshape(-1) if out.flags.c_contiguous else np.empty(count, np.int32)  # a view when it can be
+    np.take(unpacking(r), raw[:whole], axis=0, out=flat[: whole * per].reshape(whole, per))
+    flat[whole * per:] = raw[whole:].astype(np.int32) - r
+    if not out.flags.c_contiguous:
+        out[:] = flat.reshape(rows, cols)
+
+
+@functools.lru_cache(maxsize=None)
+def unpacking(r: int) -> np.ndarray:
+    """(256, per) int32: each packed byte's symbols for largest magnitude `r` (a table lookup
+    unpacks a frame in one pass)."""
+    base, per = 2 * r + 1, PACK.get(r, 1)
+    byte = np.arange(256)
+    return np.stack([byte // base ** (per - 1 - j) % base for j in range(per)], axis=1).astype(np.int32) - r
+
+
+def sized(data: bytes, size: int) -> np.ndarray:
+    """`data` as uint8, which must be `size` bytes long."""
+    if len(data) != size:
+        raise ValueError(f"a band frame holds {len(data)} bytes, not {size}")
+    return np.frombuffer(data, np.uint8)
+
+
+def deflate(data: bytes) -> bytes:
+    """A raw deflate stream (RFC 1951, no zlib header) of `data`, Huffman codes only: the packed
+    symbols have no repeats worth an LZ match (runs of zero are packed already)."""
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    return packer.compress(data) + packer.flush()
+
+
+def inflate(frame: bytes, size: int) -> bytes:
+    """At most `size` bytes out of a raw deflate stream."""
+    import zlib
+
+    return zlib.decompressobj(-15).decompress(frame, size)
 
 
 def scatter(order: np.ndarray, width: int, ordered: np.ndarray) -> np.ndarray:

@@ -19,7 +19,9 @@ import uuid
 
 # 2: binary row tables (rows.bin); format 1 stores (rows.json) are still read and appended to.
 # 3: a store-level codec file (the transform codec's calibration under codec/); other stores stay 2
-FORMAT_VERSION = 3
+# 4: the transform codec's packed deflate frames (entropy "deflate"); its zstd and ANS stores stay 3.
+#    Each store is written at the lowest version that holds it, so older builds read what they can.
+FORMAT_VERSION = 4
 ROOT_META = "zarr.json"
 MANIFEST = "manifest.json"
 LOCK = "writer.lock"

@@ -462,9 +462,7 @@ def _new_meta(ident, kinds, chunk_tokens, shard_tokens, compressor, codec_params
     if chunk < 1 or any(shard % s for s in strides):
         raise UsageError(f"shard_tokens={shard} must be a multiple of chunk_tokens={chunk} and of every codec group "
                          f"{strides}.")
-    # format 3 only where it is needed (a store-level codec file): builds that read 2 keep reading the rest
-    version = FORMAT_VERSION if codec.name == "tc" else 2
-    return {"format_version": version, "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
+    return {"format_version": codec.format_version(), "identity": ident, "kinds": list(kinds), "chunk_tokens": chunk,
             "shard_tokens": shard, "compressor": dict(compressor or DEFAULT_COMPRESSOR), "codec_params": codec.params,
             "created": now_iso()}, codec
 

@@ -61,7 +61,7 @@ class StoreTests:
             for pid, x in caches.items():
                 w.add(row(0, id=pid, content_hash=pid), {"fused": x})
         again = CacheStore.open(url)
-        assert again.meta["format_version"] == 3 and again.info()["codec_tables"]["sha256"] == cal.sha256
+        assert again.meta["format_version"] == 4 and again.info()["codec_tables"]["sha256"] == cal.sha256
         for x, got in zip(caches.values(), again.read(list(caches))):
             assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
         assert again.verify()["ok"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from store_support import GEOMETRY, identity, prefix, row, structured_cache, tc_
 from cachegraft_cli.errors import StoreError, StoreMetadataError, UsageError
 from cachegraft_cli.store import CacheStore, transform as tf
 from cachegraft_cli.store.codecs import get_codec
-from cachegraft_cli.store.entropy import BandCoder, GroupCoder, bands
+from cachegraft_cli.store.entropy import BandCoder, GroupCoder, bands, deflate_frame, inflate_frame, planes
 
 PROPS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CAL = tc_calibration()
@@ -56,17 +57,48 @@ def test_the_entropy_coder_reproduces_the_symbols_exactly(seed, tokens, classes)
 
 
 @PROPS
-@given(st.integers(0, 2**32 - 1), st.integers(1, 40), st.integers(1, 6))
-def test_the_band_coder_reproduces_the_symbols_exactly(seed, tokens, classes):
+@given(st.integers(0, 2**32 - 1), st.integers(1, 40), st.integers(1, 6), st.sampled_from(BandCoder.FRAMES),
+       st.floats(0, 1))
+def test_the_band_coder_reproduces_the_symbols_exactly(seed, tokens, classes, frame, dense):
     rng = np.random.default_rng(seed)
     klass = rng.integers(-1, classes, size=(3, 2, 50))
-    radius = rng.choice([2, 9, 127, 128, 300, 32767], size=classes)  # int8 and int16 bands
-    coder = BandCoder(klass, radius, level=3)
+    radius = rng.choice([1, 2, 3, 7, 9, 127, 128, 300, 32767], size=classes)  # int8 and int16 bands
+    coder = BandCoder(klass, radius, frame, level=3)
     limit = np.where(klass.reshape(-1) >= 0, radius[np.maximum(klass.reshape(-1), 0)], 0)
-    symbols = rng.integers(-limit, limit + 1, size=(tokens, limit.size)).astype(np.int32)
+    # mostly zeros, as real symbols are: a band's largest magnitude (how deflate frames pack) varies
+    limit = np.minimum(limit, rng.integers(0, 8, size=limit.size)) if rng.random() < 0.5 else limit
+    symbols = rng.integers(-limit, limit + 1, size=(tokens, limit.size)) * (rng.random((tokens, limit.size)) < dense)
+    symbols = symbols.astype(np.int32)
     words = coder.encode(symbols)
     assert words.dtype == np.uint32
     assert np.array_equal(coder.decode(words, tokens), symbols)
+
+
+@pytest.mark.parametrize("r", [0, 1, 2, 3, 7, 8, 127])
+def test_a_deflate_frame_packs_small_symbols_and_reads_back_into_any_view(r):
+    rng = np.random.default_rng(r)
+    x = (rng.integers(-r, r + 1, size=(33, 64)) * (rng.random((33, 64)) < 0.3)).astype(np.int32)
+    x[0, 0] = r  # the band's largest magnitude is r
+    frame = deflate_frame(x, wide=False)
+    assert frame[0] == r
+    if 1 <= r <= 7:  # packed 2-5 to a byte: smaller than the same symbols one to a byte
+        assert len(frame) < len(zlib.compress(planes(x, False), 9))
+    out = np.full((33, 70), 99, np.int32)  # a strided view, as a short group's rows are
+    inflate_frame(frame, False, out[:, :64])
+    assert np.array_equal(out[:, :64], x) and (out[:, 64:] == 99).all()
+
+
+def test_a_deflate_frame_with_symbols_beyond_its_range_or_length_is_refused():
+    bad = bytes([1]) + _raw_deflate(bytes([250, 3]))  # 250 >= 3**5: not a packing of r = 1
+    with pytest.raises(ValueError, match="beyond its range"):
+        inflate_frame(bad, False, np.zeros((2, 5), np.int32))
+    with pytest.raises(ValueError, match="holds 1 bytes"):
+        inflate_frame(bytes([1]) + _raw_deflate(bytes([3])), False, np.zeros((2, 5), np.int32))
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()
 
 
 @PROPS
@@ -296,16 +328,18 @@ def test_a_passage_reads_the_same_from_its_position_in_any_group():
         assert np.array_equal(c.decode(sliced, start, stop), whole[start:stop])
 
 
-def test_a_new_tc_store_codes_with_zstd_bands_and_other_stages_are_refused():
+def test_a_new_tc_store_codes_with_deflate_bands_and_other_stages_are_refused():
     c = tc()
-    assert (c.entropy, c.params["entropy"], c.params["level"]) == ("zstd", "zstd", 15)
+    assert (c.entropy, c.params["entropy"], "level" in c.params) == ("deflate", "deflate", False)
     for bad in ({"entropy": "lzma"}, {"level": 0}, {"level": "high"}):
         with pytest.raises(UsageError, match="entropy stage"):
             get_codec("tc", GEOMETRY, {"calibration": CAL, **bad})
     x = structured_cache(np.random.default_rng(3), 40)
-    ans = get_codec("tc", GEOMETRY, {"calibration": CAL, "entropy": "ans"})
-    # the same symbols through either entropy stage: the same caches back
-    assert np.array_equal(ans.decode(ans.encode(x), 0, 40), c.decode(c.encode(x), 0, 40))
+    mine = c.decode(c.encode(x), 0, 40)
+    for older in ({"entropy": "ans"}, {"entropy": "zstd", "level": 15}):
+        codec = get_codec("tc", GEOMETRY, {"calibration": CAL, **older})
+        # the same symbols through any entropy stage: the same caches back
+        assert np.array_equal(codec.decode(codec.encode(x), 0, 40), mine)
 
 
 def test_tc_needs_a_calibration():
@@ -340,7 +374,7 @@ def test_a_tc_store_reads_what_the_codec_decodes_per_passage(tmp_path):
         assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
     assert store.verify()["ok"]
     info = store.info()
-    assert info["format_version"] == 3 and info["codec"] == "tc"
+    assert info["format_version"] == 4 and info["codec"] == "tc"
     tables = info["codec_tables"]
     assert tables["sha256"] == CAL.sha256 and tables["bytes"] == len(CAL.to_bytes())
     assert tables["weighting"] == CAL.info.get("weighting") and tables["layer_steps"] is False
@@ -356,24 +390,27 @@ def test_reading_passages_together_gives_what_reading_each_alone_gives(tmp_path)
         assert np.array_equal(got, store.read([pid])[0])
 
 
-FIRST_BUILD = Path(__file__).parent / "fixtures" / "tc_ans"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def test_a_tc_store_of_the_first_build_reads_and_appends_as_before(tmp_path):
+@pytest.mark.parametrize("build, entropy", [("tc_ans", "ans"), ("tc_zstd", "zstd")])
+def test_a_tc_store_of_an_earlier_build_reads_and_appends_as_before(tmp_path, build, entropy):
+    """The first build's store (ANS, no `entropy` key) and a zstd-band build's."""
     url = str(tmp_path / "s")
-    shutil.copytree(FIRST_BUILD / "store", url)
-    expected = np.load(FIRST_BUILD / "expected.npz")
+    shutil.copytree(FIXTURES / build / "store", url)
+    expected = np.load(FIXTURES / build / "expected.npz")
     store = CacheStore.open(url)
-    assert store.codec.entropy == "ans" and "entropy" not in store.codec.params
+    stored = dict(store.codec.params)
+    assert store.codec.entropy == entropy and stored.get("entropy") == (None if entropy == "ans" else entropy)
     ids = sorted(k.split(".", 1)[1] for k in expected.files if k.startswith("input."))
     for pid, got in zip(ids, store.read(ids)):
         # the symbols that build stored; its float products summed in another order (rounding only)
         scale = np.abs(expected[f"input.{pid}"]).max()
         assert np.allclose(got, expected[f"decoded.{pid}"], rtol=0, atol=1e-5 * scale)
     assert store.verify()["ok"]
-    more = _fill(store, seed=5, n=2)  # appended with the store's own (ANS) stage
+    more = _fill(store, seed=5, n=2)  # appended with the store's own stage
     again = CacheStore.open(url)
-    assert "entropy" not in again.codec.params and again.verify()["ok"]
+    assert dict(again.codec.params) == stored and again.verify()["ok"]
     for x, got in zip(more.values(), again.read(list(more))):
         assert np.sqrt(((got - x) ** 2).mean() / (x**2).mean()) < 0.12
 
@@ -409,18 +446,26 @@ def test_a_store_with_a_missing_or_tampered_calibration_is_refused(tmp_path):
     assert CacheStore.open(url).verify()["ok"]
 
 
-def test_a_build_that_reads_format_2_refuses_a_tc_store_but_not_the_others(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reads_up_to", [2, 3])
+def test_a_build_that_reads_an_older_format_refuses_the_stores_it_cannot_read(tmp_path, monkeypatch, reads_up_to):
+    """A deflate tc store is format 4, a zstd one 3, others 2: a build reading up to 2 refuses
+    both tc stores, one reading up to 3 (2026-12-04 to 2026-12-06) the deflate store only."""
     from cachegraft_cli.store import evidence, segments, store as store_mod
 
-    tc_url, int8_url = str(tmp_path / "tc"), str(tmp_path / "int8")
-    _fill(tc_store(tc_url), n=2)
-    CacheStore.create(int8_url, identity("int8"), prefix(np.random.default_rng(0)))
-    assert CacheStore.open(int8_url).meta["format_version"] == 2
+    urls = {name: str(tmp_path / name) for name in ("deflate", "zstd", "int8")}
+    _fill(tc_store(urls["deflate"]), n=2)
+    shutil.copytree(FIXTURES / "tc_zstd" / "store", urls["zstd"])
+    CacheStore.create(urls["int8"], identity("int8"), prefix(np.random.default_rng(0)))
+    versions = {name: CacheStore.open(url).meta["format_version"] for name, url in urls.items()}
+    assert versions == {"deflate": 4, "zstd": 3, "int8": 2}
     for module in (store_mod, evidence, segments):
-        monkeypatch.setattr(module, "FORMAT_VERSION", 2)
-    assert CacheStore.open(int8_url).meta["format_version"] == 2
-    with pytest.raises(StoreError, match="format_version"):
-        CacheStore.open(tc_url)
+        monkeypatch.setattr(module, "FORMAT_VERSION", reads_up_to)
+    for name, url in urls.items():
+        if versions[name] <= reads_up_to:
+            assert CacheStore.open(url).meta["format_version"] == versions[name]
+        else:
+            with pytest.raises(StoreError, match="format_version"):
+                CacheStore.open(url)
 
 
 def test_a_new_store_takes_a_calibration_for_its_own_geometry_only(tmp_path):
