@@ -1,8 +1,9 @@
 """The transform codec's CPU per token, encode and decode, against int8's (one thread).
 
 Two cases: the offline receiver's real fused caches (the first 20 passages of a float32 store,
-e.g. one `codec_fidelity.py` made) with the calibration the offline fuser ships, through both
-entropy stages (zstd bands, the default; ANS, the first tc stores'); and the
+e.g. one `codec_fidelity.py` made) with the calibration the offline fuser ships, through each
+entropy stage (packed deflate bands, the default; the zstd bands of stores of 2026-12-04 to
+2026-12-06; ANS, the first tc stores'); and the
 Qwen3-0.6B geometry (28 layers x 8 KV heads x 128) on synthetic caches with structure (64
 shared latent features per token plus noise), calibrated on 2,400 of them. `time.process_time`.
 
