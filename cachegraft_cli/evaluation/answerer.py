@@ -164,14 +164,16 @@ class StoreAnswerer:
             for settings in self.mismatched_needed if mismatched else self.stores_needed:
                 url = self._store_url(benchmark_name, fuser, settings, mismatched)
                 codec, keep, keep_by, notes = settings
+                target = Target.open(url)
                 options = EncodeOptions(codec, self.config.encode_batch_size, max_passage_tokens=max_passage_tokens,
                                         also_own_cache=own, keep=keep,
                                         keep_by=keep_by if keep < 1 else None, mismatched_sharer=mismatched,
-                                        sharer_notes=notes, calibration=self._calibration(codec))
+                                        sharer_notes=notes,  # a store made by an earlier run keeps its calibration
+                                        calibration=self._calibration(codec) if target.store is None else None)
                 role = ", mismatched sharer" if mismatched else (", adapter" if fuser != self.config.fuser else "")
                 what = f"{codec}, keep {keep:g}{role}" + (f", notes {notes}" if notes else "")
                 with EncodeProgress(len(rows), f"encode {benchmark_name} ({what})") as bar:
-                    encode_corpus(rows, Target.open(url), self._session(fuser), options, progress=bar)
+                    encode_corpus(rows, target, self._session(fuser), options, progress=bar)
                 build_store_index(url, self.config.index_kind)
         if "sharer-text" not in self.systems:
             self._release_sharers()

@@ -59,3 +59,26 @@ def test_reused_fusion_fuses_each_batch_once():
     assert reused.fuse([[1, 2], [3]], attention=True) is first and reused.fuse([[4]]) is not first
     assert reused.fuse([[1, 2], [3]], donors=[[3, 4], [1]]) is not first  # another sharer input, fused again
     assert calls == [True, True, True] and reused.prefix_ids == [1, 2]
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_a_rerun_keeps_the_calibration_of_the_tc_store_an_earlier_run_made(monkeypatch, stored):
+    """evaluate is re-run to resume: a new tc store gets the fuser's calibration, a store an earlier
+    (killed) run made keeps its own (encode refuses a calibration named for an existing store)."""
+    from types import SimpleNamespace
+
+    from cachegraft_cli.encoding import local
+    from cachegraft_cli.retrieval import stored as stored_index
+    from cachegraft_cli.store import target
+
+    seen = []
+    monkeypatch.setattr(target.Target, "open", classmethod(lambda cls, url: SimpleNamespace(
+        store=object() if stored else None, url=url)))
+    monkeypatch.setattr(local, "encode_corpus", lambda rows, tgt, session, options, progress=None:
+                        seen.append(options.calibration))
+    monkeypatch.setattr(stored_index, "build_store_index", lambda *a, **k: None)
+    answerer = StoreAnswerer(_config(codec="tc"), ["graft"])
+    monkeypatch.setattr(answerer, "_calibration", lambda codec: "shipped.safetensors")
+    monkeypatch.setattr(answerer, "_session", lambda fuser: None)
+    answerer.prepare("squad", [{"id": "p0", "title": "", "text": "x"}])
+    assert seen == [None if stored else "shipped.safetensors"]
