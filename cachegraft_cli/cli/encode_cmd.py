@@ -31,10 +31,11 @@ def encode(
     fuser: FuserOpt = None,
     codec: Annotated[
         Optional[str],
-        typer.Option(help="int8 (0.47x raw bf16 KV, within 1 F1 point of lossless), bf16 (lossless, 0.81x), k8v4 "
-                     "(8-bit keys, 4-bit values: 0.38x), int4 (0.26x, -2.4 F1), tc (the transform codec: 0.124x at "
-                     "int4's KL, slower to load; needs a calibration: --calibration, or the one the "
-                     "offline fuser ships) (default: the store's, int8 for a new one)."),
+        typer.Option(help="tc (the transform codec: about 0.12x raw bf16 KV at int4's KL; needs a calibration: "
+                     "--calibration, or the one the offline fuser ships), int8 (0.47x, within 1 F1 point of "
+                     "lossless, a little faster to load), bf16 (lossless, 0.81x), k8v4 (8-bit keys, 4-bit values: "
+                     "0.38x), int4 (0.26x) (default: the store's; for a new one tc where the fuser ships a "
+                     "calibration, else int8)."),
     ] = None,
     # Research controls (docs/experiments.md): they cost answer quality or only serve an experiment,
     # so they stay off the help; they work as ever, and `evaluate` variants reach them too.

@@ -72,7 +72,7 @@ def evaluate(
     ] = None,
     codec: Annotated[Optional[str], typer.Option(
         help="Store codec: bf16, int8, int4, k8v4, k2v4, int2 or tc (the fuser's shipped calibration) (default: "
-             "encode's, int8).")] = None,
+             "encode's: tc where the fuser ships a calibration, else int8).")] = None,
     keep: Annotated[float, typer.Option(help="Share of each passage's tokens the stores keep (encode --keep); "
                                              "SYSTEM@keep=R, @codec=C, @keep_by=M answer one entry from such a store.")
                     ] = 1.0,

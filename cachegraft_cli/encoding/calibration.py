@@ -4,7 +4,8 @@ A `tc` store keeps its calibration once, in the store (`codec/`), and every appe
 compaction and Ray worker uses that copy. A new store takes the file the user names
 (`encode --calibration FILE`, fitted with `cachegraft store calibrate`), or else the one shipped
 with the preset's built-in fuser (fitted on a corpus outside the QA sets; `fuser/builtin/*/TRAINING.md`).
-Without either, `--codec tc` is refused before any model loads. New stores are int8 unless named.
+Without either, `--codec tc` is refused before any model loads. A new store is `tc` when nothing
+is named and the fuser ships a calibration, int8 otherwise (`default_codec`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,16 @@ SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
 
 
 def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
-    """A new store's codec when none is named: int8 (the transform codec's stores are 3.8x smaller
-    and, with 64-token groups, graft's first token from them takes 1.12x as long on an AVX2 CPU,
-    but its answers at k = 1, 3, 5 and its speed on AVX512-BF16 CPUs are not yet measured:
-    docs/results.md, "Store size"); and, where the fuser ships a calibration, a note that
-    `--codec tc` is one flag away."""
+    """A new store's codec when none is named, and a note saying why: the transform codec where
+    the fuser ships a calibration (0.118x raw bf16 KV at int4's KL; graft's EM/F1 from it at
+    k = 1, 3, 5 within noise of int8's; docs/results.md, "Store size"), int8 elsewhere
+    (`store.codecs.DEFAULT_CODEC`: a calibration needs the receiver's own caches)."""
     from cachegraft_cli.store.codecs import DEFAULT_CODEC
 
     if shipped_file(fuser_spec) is None:
         return DEFAULT_CODEC, None
-    return DEFAULT_CODEC, ("the store is int8 (0.47x raw bf16 KV). With --codec tc it would be 0.124x (this fuser "
-                           "ships a calibration), at int4's KL, but slower to load: about +0.05 s "
-                           "to the first token at k = 5 on a 2-core CPU (docs/results.md, \"Store size\").")
+    return "tc", ("the store is tc, the transform codec (about 0.12x raw bf16 KV), with the calibration this fuser "
+                  "ships. --codec int8 stores 0.47x and loads a little faster (docs/results.md, \"Store size\").")
 
 
 def shipped_file(fuser_spec: str | None) -> Path | None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from cachegraft_cli.errors import StoreError, UsageError
 
-DEFAULT_CODEC = "int8"  # a new store's, chosen by measurement (docs/method.md, "Design decisions")
+DEFAULT_CODEC = "int8"  # a new store's where the fuser ships no tc calibration (encoding.calibration.default_codec)
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ def test_the_offline_fuser_ships_a_calibration_for_its_receivers_geometry():
     assert calibration.codec_params("tc", None, OFFLINE)["calibration"].sha256 == cal.sha256
 
 
-def test_new_stores_are_int8_and_a_shipped_calibration_is_pointed_out():
+def test_new_stores_are_tc_where_the_fuser_ships_a_calibration_and_int8_elsewhere():
     codec, note = calibration.default_codec(OFFLINE)
-    assert codec == "int8" and "--codec tc" in note
+    assert codec == "tc" and "calibration this fuser ships" in note and "--codec int8" in note
     for spec in (None, "closed", "/some/dir", "builtin:qwen2.5-coder-0.5b-squadshifts-qa-mix135-adapter"):
         assert calibration.default_codec(spec) == ("int8", None)
     with pytest.raises(UsageError, match="needs a calibration"):
