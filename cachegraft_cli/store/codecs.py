@@ -435,7 +435,8 @@ class TransformCodec(Codec):
         self.entropy, self.level = self.params.get("entropy", "ans"), self.params.get("level", self.ZSTD_LEVEL)
         if self.entropy not in self.ENTROPY or not isinstance(self.level, int) or not 1 <= self.level <= 22:
             raise UsageError(f"the tc codec's entropy stage is one of {', '.join(self.ENTROPY)} (zstd at a level "
-                             f"1-22); got {self.entropy!r}, level {self.level!r}.", hint="Leave them at their defaults.")
+                             f"1-22); got {self.entropy!r}, level {self.level!r}.",
+                             hint="Leave them at their defaults.")
         self._loc = None
         self._coder = None
         sha, words = self.params.get("calibration"), self.params.get("group_words")
