@@ -23,7 +23,7 @@ MIN_PASSAGE_TOKENS = 16  # the smallest chunk size any command takes
 
 @dataclass
 class EncodeOptions:
-    codec: str | None = None  # None: the existing store's codec, `store.codecs.DEFAULT_CODEC` (int8) for a new one
+    codec: str | None = None  # None: the existing store's; a new one's `encoding.calibration.default_codec`
     batch_size: int = 8
     max_passage_tokens: int = PASSAGE_TOKENS
     chunk_overlap: int = 0  # tokens a chunk of a split passage repeats from the end of the one before
