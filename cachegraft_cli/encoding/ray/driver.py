@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachegraft_cli.corpus import Passage
 from cachegraft_cli.encoding import calibration
@@ -45,7 +45,6 @@ from cachegraft_cli.encoding.ray.ledger import SegmentLedger, SegmentReport
 from cachegraft_cli.encoding.ray.worker import raise_error_record
 from cachegraft_cli.errors import CacheGraftError, RunnerError, StoreMismatchError, UsageError
 from cachegraft_cli.session import ModelChoice
-from cachegraft_cli.store.codecs import DEFAULT_CODEC
 from cachegraft_cli.store.target import Target
 
 
@@ -106,11 +105,11 @@ def encode_on_ray(
 
     ray = require_ray()
     check_devices(choice.device, ray_options)
-    target.check(options.codec or DEFAULT_CODEC, options.kinds, options.keep_for(target.keep),
-                 options.compressor)  # before the cluster
+    codec = options.codec or target.codec or calibration.default_codec(choice.fuser)[0]
+    options = replace(options, codec=codec)  # the workers open or create the store with it
+    target.check(codec, options.kinds, options.keep_for(target.keep), options.compressor)  # before the cluster
     # a new store's calibration is read and checked here, once: the set-up task gets it whole
-    params = calibration.codec_params(options.codec or DEFAULT_CODEC, options.calibration, choice.fuser,
-                                      target.store is not None)
+    params = calibration.codec_params(codec, options.calibration, choice.fuser, target.store is not None)
     if options.keep_for(target.keep) is not None:
         raise UsageError("the Ray runner does not prune passages (--keep below 1) yet.",
                          "Encode a pruned store with --runner local.")
