@@ -31,6 +31,14 @@ def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
                   "ships. --codec int8 stores 0.47x and loads a little faster (docs/results.md, \"Store size\").")
 
 
+def store_codec(named: str | None, existing: str | None, fuser_spec: str | None) -> tuple[str, str | None]:
+    """The codec an encode writes with: the one named, else the existing store's, else a new
+    store's `default_codec` (with its note; None for the other two)."""
+    if named or existing:
+        return str(named or existing), None
+    return default_codec(fuser_spec)
+
+
 def shipped_file(fuser_spec: str | None) -> Path | None:
     """The calibration shipped with a built-in fuser, if it has one."""
     if not fuser_spec or not fuser_spec.startswith("builtin:"):

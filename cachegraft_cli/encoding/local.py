@@ -62,8 +62,7 @@ def encode_corpus(
 
     start = time.perf_counter()
     source = list(passages) if iter(passages) is passages else passages
-    named = options.codec or target.codec
-    codec, note = (named, None) if named else calibration.default_codec(session.choice.fuser)
+    codec, note = calibration.store_codec(options.codec, target.codec, session.choice.fuser)
     keep = options.keep_for(target.keep)
     target.check(codec, options.kinds, keep, options.compressor, options.mismatched_sharer,  # before the lock
                  options.sharer_notes)

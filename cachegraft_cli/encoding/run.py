@@ -53,11 +53,10 @@ def encode_into(
                          "Leave out --runner ray.")
     if ray is None:
         return encode_corpus(passages, target, ModelSession(choice), options, progress, planned=planned)
-    from cachegraft_cli.encoding.calibration import default_codec
+    from cachegraft_cli.encoding.calibration import store_codec
     from cachegraft_cli.encoding.ray.driver import encode_on_ray
 
-    named = options.codec or target.codec
-    codec, note = (named, None) if named else default_codec(choice.fuser)
+    codec, note = store_codec(options.codec, target.codec, choice.fuser)
     summary = encode_on_ray(passages, target, choice, replace(options, codec=codec), ray, progress=progress,
                             planned=planned)
     summary.codec, summary.note = codec, note

@@ -92,17 +92,35 @@ class BandCoder:
 
     def encode(self, symbols: np.ndarray) -> np.ndarray:
         """uint32 words of `symbols` `(tokens, width)` (int, within the class radii)."""
-        flat = symbols.reshape(len(symbols), self.width)
-        if self.frame == "zstd":
-            import zstandard
-
-            zstd = zstandard.ZstdCompressor(level=self.level)
-            frames = [zstd.compress(planes(flat[:, b].T, wide)) for b, wide in zip(self.bands, self.wide)]
-        else:
-            frames = [deflate_frame(flat[:, b].T, wide) for b, wide in zip(self.bands, self.wide)]
+        flat, pack = symbols.reshape(len(symbols), self.width), self._packer()
+        frames = [pack(flat[:, b].T, wide) for b, wide in zip(self.bands, self.wide)]
         body = b"".join(frames)
         body += bytes(-len(body) % 4)
         return np.concatenate([np.array([len(f) for f in frames], np.uint32), np.frombuffer(body, "<u4")])
+
+    def _packer(self):
+        """(symbols `(components, tokens)`, wide) -> one band's frame."""
+        if self.frame == "deflate":
+            return deflate_frame
+        import zstandard
+
+        zstd = zstandard.ZstdCompressor(level=self.level)
+        return lambda x, wide: zstd.compress(planes(x, wide))
+
+    def _unpacker(self):
+        """(frame, wide, out `(components, tokens)`) -> the band's symbols written into `out`."""
+        if self.frame == "deflate":
+            return inflate_frame
+        import zstandard
+
+        zstd = zstandard.ZstdDecompressor()
+
+        def unpack(frame: bytes, wide: bool, out: np.ndarray) -> None:
+            rows, cols = out.shape
+            size = rows * cols * (2 if wide else 1)
+            out[:] = unplanes(sized(zstd.decompress(frame, max_output_size=size), size), wide, rows, cols)
+
+        return unpack
 
     def decode(self, words: np.ndarray, tokens: int) -> np.ndarray:
         """Symbols `(tokens, width)` int32 (never-coded components zero)."""
@@ -116,19 +134,9 @@ class BandCoder:
             return out
         words = np.ascontiguousarray(words, "<u4")
         lengths, body = words[: len(self.bands)].astype(np.int64), words[len(self.bands):].tobytes()
-        at, row = 0, 0
-        if self.frame == "zstd":
-            import zstandard
-
-            zstd = zstandard.ZstdDecompressor()
+        at, row, unpack = 0, 0, self._unpacker()
         for b, wide, n in zip(self.bands, self.wide, lengths.tolist()):
-            frame = body[at: at + n]
-            if self.frame == "zstd":
-                size = len(b) * tokens * (2 if wide else 1)
-                out[row: row + len(b)] = unplanes(sized(zstd.decompress(frame, max_output_size=size), size),
-                                                  wide, len(b), tokens)
-            else:
-                inflate_frame(frame, wide, out[row: row + len(b)])
+            unpack(body[at: at + n], wide, out[row: row + len(b)])
             at, row = at + n, row + len(b)
         return out
 

@@ -105,7 +105,7 @@ def encode_on_ray(
 
     ray = require_ray()
     check_devices(choice.device, ray_options)
-    codec = options.codec or target.codec or calibration.default_codec(choice.fuser)[0]
+    codec = calibration.store_codec(options.codec, target.codec, choice.fuser)[0]
     options = replace(options, codec=codec)  # the workers open or create the store with it
     target.check(codec, options.kinds, options.keep_for(target.keep), options.compressor)  # before the cluster
     # a new store's calibration is read and checked here, once: the set-up task gets it whole
