@@ -553,11 +553,13 @@ class TransformCodec(Codec):
         from cachegraft_cli.store import transform as tf
 
         scale = np.repeat(2.0 ** head[todo, 2:3].astype(np.float64), self.group, axis=1)
-        symbols, over = tf.analyse(cal, keys[todo], values[todo], scale)
+        coded = tf.Coded.empty(self.coder().order, (self.layers, 2, self.heads * self.head_dim), len(todo),
+                               self.group)
+        _, over = tf.analyse(cal, keys[todo], values[todo], scale, out=coded)
         again = []
         for j, i in enumerate(todo.tolist()):
             m = int(head[i, 1])
-            words = self.coder().encode(symbols[j, :m])
+            words = self.coder().encode_ordered(coded.buffer[j, :-1, :m])
             if len(words) <= self.words and not over[j, :m].any():
                 code[i, : len(words)], head[i, 0] = words, len(words)
             elif head[i, 2] >= 24:

@@ -36,12 +36,18 @@ class GroupCoder:
 
     def encode(self, symbols: np.ndarray) -> np.ndarray:
         """uint32 words of `symbols` `(tokens, width)` (int, within the class radii)."""
-        flat = symbols.reshape(len(symbols), self.width)
+        return self.encode_ordered(symbols.reshape(len(symbols), self.width)[:, self.order].T)
+
+    def encode_ordered(self, ordered: np.ndarray) -> np.ndarray:
+        """uint32 words of the coded components' symbols in class order, component-major
+        `(len(order), tokens)` (as `decode_ordered` gives them back)."""
         coder = self._ans()
+        starts = np.cumsum([0] + [len(m) for m in self.members])
         for c in reversed(range(len(self.models))):  # a stack: the last pushed is read first
             if len(self.members[c]):
-                coder.encode_reverse(np.ascontiguousarray(flat[:, self.members[c]] + self.radius[c],
-                                                          dtype=np.int32).reshape(-1), self.models[c])
+                rows = ordered[starts[c]: starts[c + 1]].T  # token-major within the class
+                coder.encode_reverse(np.ascontiguousarray(rows + self.radius[c], dtype=np.int32).reshape(-1),
+                                     self.models[c])
         return np.asarray(coder.get_compressed(), dtype=np.uint32)
 
     def decode(self, words: np.ndarray, tokens: int) -> np.ndarray:
@@ -92,8 +98,13 @@ class BandCoder:
 
     def encode(self, symbols: np.ndarray) -> np.ndarray:
         """uint32 words of `symbols` `(tokens, width)` (int, within the class radii)."""
-        flat, pack = symbols.reshape(len(symbols), self.width), self._packer()
-        frames = [pack(flat[:, b].T, wide) for b, wide in zip(self.bands, self.wide)]
+        return self.encode_ordered(symbols.reshape(len(symbols), self.width)[:, self.order].T)
+
+    def encode_ordered(self, ordered: np.ndarray) -> np.ndarray:
+        """uint32 words of the coded components' symbols band after band (class order),
+        component-major `(len(order), tokens)` (as `decode_ordered` gives them back)."""
+        pack, ends = self._packer(), np.cumsum([len(b) for b in self.bands])
+        frames = [pack(ordered[end - len(b): end], wide) for b, wide, end in zip(self.bands, self.wide, ends)]
         body = b"".join(frames)
         body += bytes(-len(body) % 4)
         return np.concatenate([np.array([len(f) for f in frames], np.uint32), np.frombuffer(body, "<u4")])
@@ -154,17 +165,17 @@ def deflate_frame(x: np.ndarray, wide: bool) -> bytes:
     symbols deflated."""
     if wide:
         return deflate(planes(x, True))
-    s = x.reshape(-1).astype(np.int64)
-    r = int(np.abs(s).max(initial=0))
+    r = max(int(x.max(initial=0)), -int(x.min(initial=0)))
     if r == 0:
         return b"\0"
     base, per = 2 * r + 1, PACK.get(r, 1)
-    whole = len(s) // per * per
-    digits = (s[:whole] + r).reshape(-1, per)
-    packed = np.zeros(len(digits), np.int64)
-    for j in range(per):
-        packed = packed * base + digits[:, j]
-    return bytes([r]) + deflate(packed.astype(np.uint8).tobytes() + (s[whole:] + r).astype(np.uint8).tobytes())
+    digits = (x + r).astype(np.uint8).reshape(-1)  # 0..2r, at most 254
+    whole = len(digits) // per * per
+    packed = digits[:whole: per].copy()
+    for j in range(1, per):  # in uint8: every partial sum is below base**per <= 243
+        packed *= np.uint8(base)
+        packed += digits[j: whole: per]
+    return bytes([r]) + deflate(packed.tobytes() + digits[whole:].tobytes())
 
 
 def inflate_frame(frame: bytes, wide: bool, out: np.ndarray) -> None:

@@ -171,6 +171,34 @@ def test_the_deadzone_rounds_toward_zero():
     assert np.array_equal(tf.quantise(z), np.rint(z))
 
 
+@PROPS
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.1, 0.2]))
+def test_clamped_symbols_are_quantise_clipped_and_flag_what_it_clipped(seed, deadzone):
+    rng = np.random.default_rng(seed)
+    z = (rng.laplace(0, 2, (3, 7, 24)) * rng.choice([1, 10], (3, 7, 1))).astype(np.float32)
+    z[0, 0, :4] = [0.5, -0.5, 1.5, -2.5]  # ties round to even without a deadzone
+    limit = rng.integers(0, 6, 24).astype(np.float32)
+    over = np.zeros((3, 7), bool)
+    want = np.clip(tf.quantise(z, deadzone), -limit, limit)
+    flagged = (np.abs(tf.quantise(z, deadzone)) > np.maximum(limit, 1)).any(-1)
+    got = tf.clamped(z.copy(), deadzone, limit, np.maximum(limit, 1), over)
+    assert got.dtype == np.float32 and np.array_equal(got, want) and np.array_equal(over, flagged)
+
+
+def test_symbols_analysed_into_the_coders_order_are_the_dense_ones_reordered():
+    x = structured_cache(np.random.default_rng(6), 48)
+    keys, values = tf.split(x, np.arange(48), CAL.arrays["inv_freq"])
+    keys, values = keys.reshape(3, 16, *keys.shape[1:]), values.reshape(3, 16, *values.shape[1:])
+    scale = np.ones((3, 16))
+    dense, over = tf.analyse(CAL, keys, values, scale)
+    order = tc().coder().order
+    coded = tf.Coded.empty(order, dense.shape[2:], 3, 16)
+    _, over2 = tf.analyse(CAL, keys, values, scale, out=coded)
+    assert np.array_equal(over, over2)
+    assert np.array_equal(coded.buffer[:, :-1], dense.reshape(3, 16, -1)[:, :, order].swapaxes(1, 2))
+    assert not coded.buffer[:, -1].any()  # never-coded components' zeros only
+
+
 def test_a_deadzone_calibration_codes_fewer_nonzero_symbols_and_records_its_settings():
     x = structured_cache(np.random.default_rng(5), 40)
     keys, values = tf.split(x, 4 + np.arange(40), CAL.arrays["inv_freq"])
