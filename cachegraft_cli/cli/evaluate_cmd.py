@@ -83,7 +83,8 @@ def evaluate(
     recompute: RecomputeOpt = DEFAULT_RECOMPUTE,
     blend: BlendOpt = 0.0,
     blend_layer: BlendLayerOpt = 1,
-    stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused.")] = Path("stores"),
+    stores: Annotated[Path, typer.Option(help="Where benchmark stores are kept and reused "
+                                                  "(one per corpus sample, models and codec).")] = Path("stores"),
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
     answer_batch: Annotated[
         int,

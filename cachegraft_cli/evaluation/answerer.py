@@ -101,6 +101,7 @@ class StoreAnswerer:
         self._askers: dict[tuple, object] = {}
         self._sessions: dict[str, ModelSession] = {}
         self._chunk_tokens: dict[str, int] = {}  # benchmark -> the max_passage_tokens it was prepared with
+        self._corpus: dict[str, str] = {}  # benchmark -> its passages' fingerprint (`corpus_fingerprint`)
 
     def _fuser_for(self, system: str) -> str | None:
         if system == "adapter":
@@ -124,6 +125,8 @@ class StoreAnswerer:
         tokens = self._chunk_tokens.get(bench, PASSAGE_TOKENS)
         if tokens != PASSAGE_TOKENS:  # a re-chunked corpus never shares a store with the native one
             parts.append({"passage_tokens": tokens})
+        if bench in self._corpus:  # another sample (--limit, --seed) or file under the same name: its own store,
+            parts.append({"corpus": self._corpus[bench]})  # never one whose index also retrieves the other's passages
         key = json.dumps(parts, sort_keys=True)
         return str(Path(self.config.stores_dir) / f"{bench}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
@@ -155,6 +158,7 @@ class StoreAnswerer:
 
         rows = [Passage(p["id"], p.get("title", ""), p["text"]) for p in passages]
         self._chunk_tokens[benchmark_name] = max_passage_tokens
+        self._corpus[benchmark_name] = corpus_fingerprint(rows)
         own = "cache" in self.systems
         for fuser, mismatched in self._roles():
             if len(self.stores_needed) > 1:  # stores of one corpus differ after fusion only: fuse it once
@@ -266,3 +270,12 @@ class StoreAnswerer:
         self._askers.clear()
         self._sessions.clear()
         gc.collect()
+
+
+def corpus_fingerprint(passages) -> str:
+    """The sha256 (first 16 hex digits) of a corpus's passages (id, title, text), in any order:
+    what names an evaluation's stores besides the models and codec."""
+    digest = hashlib.sha256()
+    for p in sorted(passages, key=lambda p: p.id):
+        digest.update(json.dumps([p.id, p.title, p.text]).encode())
+    return digest.hexdigest()[:16]

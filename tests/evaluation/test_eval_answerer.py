@@ -91,6 +91,28 @@ def test_answerer_shares_the_receiver_and_drops_the_sharer_after_encoding(qa_fil
     assert "sharer" in keep._session(fuser).__dict__
 
 
+def test_another_sample_of_a_benchmark_gets_its_own_store_and_index(qa_file, tiny_dirs, tiny_models, tmp_path):
+    """Two corpora under one benchmark name and one --stores (another --limit or --seed): each
+    its own store, holding its own passages only, so retrieval never reaches the other's."""
+    from cachegraft_cli.evaluation.answerer import AnswererConfig, StoreAnswerer
+    from cachegraft_cli.evaluation.datasets import load_benchmark
+    from cachegraft_cli.store import CacheStore
+
+    fuser = _fuser_dir(tiny_models, tmp_path / "fuser")
+    config = AnswererConfig(str(tiny_dirs["receiver"]), str(tiny_dirs["sharer_same"]), fuser, codec="float32",
+                            max_new_tokens=2, dtype="float32", stores_dir=str(tmp_path / "stores"))
+    bench = load_benchmark(f"tiny={qa_file}")
+    passages = bench.passage_dicts()
+    for sample in (passages, passages[:1], list(reversed(passages))):
+        answerer = StoreAnswerer(config, ["graft"])
+        answerer.prepare(bench.name, sample)
+        got = answerer.answer(bench.name, bench.questions, "graft", 3)
+        assert {p["id"] for r in got for p in r["passages"]} == {p["id"] for p in sample}
+    stores = sorted((tmp_path / "stores").iterdir())
+    assert len(stores) == 2  # the same passages in another order: the same store
+    assert sorted(len(CacheStore.open(str(p)).ids()) for p in stores) == [1, len(passages)]
+
+
 def test_evaluate_answer_batch_gives_the_one_at_a_time_answers(qa_file, tiny_dirs, tiny_models, tmp_path):
     """`--answer-batch 3` decodes questions together (Asker.ask_many): in float32 every
     answer and score equals the one-at-a-time run, and its config records the batch."""
