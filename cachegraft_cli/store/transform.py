@@ -220,11 +220,13 @@ def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.nd
     lead, (layers, c) = keys.shape[:-2], keys.shape[-2:]
     out = np.zeros(lead + (layers, 2, c), np.int32) if out is None else out
     over = np.zeros(lead, bool)
-    rk, rv = np.empty_like(keys), np.empty_like(values)
+    # the rebuilt layers layer-major (each layer's rows contiguous), read as `(..., L, C)` views
+    rk, rv = np.empty((layers,) + lead + (c,), np.float32), np.empty((layers,) + lead + (c,), np.float32)
+    tk, tv = np.moveaxis(rk, 0, -2), np.moveaxis(rv, 0, -2)
     for layer in range(layers):
         for kv, (x, recon) in enumerate(((keys, rk), (values, rv))):
             name = "kv"[kv]
-            pred = predict(a, layer, kv, rk, rv)
+            pred = predict(a, layer, kv, tk, tv)
             z = x[..., layer, :] - pred
             z -= a[f"const.{layer}.{name}"]
             z = z @ a[f"basis.{layer}.{name}"]
@@ -232,7 +234,7 @@ def analyse(cal: Calibration, keys: np.ndarray, values: np.ndarray, scale: np.nd
             limit, flag = a[f"radius.{layer}.{name}"]
             q = clamped(z, cal.deadzone, limit, flag, over)
             out[..., layer, kv, :] = q
-            recon[..., layer, :] = rebuild(a, layer, kv, q, scale, pred)
+            rebuild(a, layer, kv, q, scale, pred, out=recon[layer])
     return out, over
 
 
