@@ -30,6 +30,7 @@ class GroupCoder:
         self.width = len(flat)
         self.members = [np.flatnonzero(flat == c) for c in range(len(probabilities))]
         self.order = np.concatenate(self.members + [np.zeros(0, np.int64)])  # coded components, class by class
+        self.starts = np.cumsum([0] + [len(m) for m in self.members])  # each class's first row in `order`
         self.radius = [int(r) for r in radius]
         self.models = [constriction.stream.model.Categorical(p, perfect=False) for p in probabilities]
         self._ans = constriction.stream.stack.AnsCoder
@@ -41,8 +42,7 @@ class GroupCoder:
     def encode_ordered(self, ordered: np.ndarray) -> np.ndarray:
         """uint32 words of the coded components' symbols in class order, component-major
         `(len(order), tokens)` (as `decode_ordered` gives them back)."""
-        coder = self._ans()
-        starts = np.cumsum([0] + [len(m) for m in self.members])
+        coder, starts = self._ans(), self.starts
         for c in reversed(range(len(self.models))):  # a stack: the last pushed is read first
             if len(self.members[c]):
                 rows = ordered[starts[c]: starts[c + 1]].T  # token-major within the class
