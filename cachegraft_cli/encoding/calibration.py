@@ -20,7 +20,7 @@ SHIPPED = "codec-calibration.safetensors"  # beside a built-in fuser's weights
 
 def default_codec(fuser_spec: str | None) -> tuple[str, str | None]:
     """A new store's codec when none is named, and a note saying why: the transform codec where
-    the fuser ships a calibration (0.118x raw bf16 KV at int4's KL; graft's EM/F1 from it at
+    the fuser ships a calibration (0.124x raw bf16 KV at int4's KL; graft's EM/F1 from it at
     k = 1, 3, 5 within noise of int8's; docs/results.md, "Store size"), int8 elsewhere
     (`store.codecs.DEFAULT_CODEC`: a calibration needs the receiver's own caches)."""
     from cachegraft_cli.store.codecs import DEFAULT_CODEC
