@@ -576,24 +576,32 @@ class TransformCodec(Codec):
 
     def decode_many(self, reads):
         """All the reads' groups rebuilt in one batch (each group's products its own: a read gives
-        the same caches alone or with others), then each read's tokens rotated back."""
+        the same caches alone or with others), then each read's tokens rotated back. The groups,
+        then the reads, are split between torch's threads (as many as it runs): the split changes
+        no bit, and inflate and numpy's products release the GIL."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from cachegraft_cli.store import transform as tf
 
         cal, g = self.calibration(), self.group
         heads = np.concatenate([p["head"] for p, _, _ in reads]).astype(np.int64)
-        with one_blas_thread():
-            rk, rv = self._synthesise(cal, np.concatenate([p["code"] for p, _, _ in reads]), heads)
-        out, at = [], 0
-        for parts, start, stop in reads:
-            n = len(parts["head"])
-            h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
-            at += n
-            valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
-            first = start // g * g
-            k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
-            pos = parts["pos"][:, 0].astype(np.int64) + self.offset
-            out.append(tf.join(k, v, pos, cal.arrays["inv_freq"], self.heads))
-        return out
+        code = np.concatenate([p["code"] for p, _, _ in reads])
+        self.coder(), cal.work  # built once here, not raced for by the threads
+        threads = max(1, min(_torch().get_num_threads(), len(heads)))
+        with one_blas_thread(), ThreadPoolExecutor(threads) as pool:
+            cuts = np.array_split(np.arange(len(heads)), threads)
+            parts = list(pool.map(lambda ix: self._synthesise(cal, code[ix], heads[ix]), cuts))
+            rk, rv = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
+            slices, at = [], 0
+            for stored, start, stop in reads:
+                n = len(stored["head"])
+                h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
+                at += n
+                valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
+                first = start // g * g
+                k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
+                slices.append((k, v, stored["pos"][:, 0].astype(np.int64) + self.offset))
+            return list(pool.map(lambda kvp: tf.join(*kvp, cal.arrays["inv_freq"], self.heads), slices))
 
     def _synthesise(self, cal, code: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         from cachegraft_cli.store import transform as tf

@@ -418,6 +418,26 @@ def test_reading_passages_together_gives_what_reading_each_alone_gives(tmp_path)
         assert np.array_equal(got, store.read([pid])[0])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decoding_on_several_threads_gives_the_bits_of_one(tmp_path, threads):
+    """A read's groups and passages are split between torch's threads: no bit may depend on the split."""
+    import torch
+
+    url = str(tmp_path / "s")
+    data = _fill(tc_store(url, shard_tokens=64, chunk_tokens=16), n=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = CacheStore.open(url).read(list(data))
+        torch.set_num_threads(threads)
+        several = CacheStore.open(url).read(list(data))
+    finally:
+        torch.set_num_threads(before)
+    assert len(one) == len(several) == len(data)
+    for a, b in zip(one, several):
+        assert a.dtype == np.float32 and np.array_equal(a, b)
+
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
