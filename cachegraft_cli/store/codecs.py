@@ -583,25 +583,31 @@ class TransformCodec(Codec):
 
         from cachegraft_cli.store import transform as tf
 
-        cal, g = self.calibration(), self.group
+        cal = self.calibration()
         heads = np.concatenate([p["head"] for p, _, _ in reads]).astype(np.int64)
         code = np.concatenate([p["code"] for p, _, _ in reads])
-        self.coder(), cal.work  # built once here, not raced for by the threads
+        self.coder()  # built once here, not by each thread (the calibration's tables fill lazily: any
+        # thread that gets there first computes the same values)
         threads = max(1, min(_torch().get_num_threads(), len(heads)))
         with one_blas_thread(), ThreadPoolExecutor(threads) as pool:
             cuts = np.array_split(np.arange(len(heads)), threads)
             parts = list(pool.map(lambda ix: self._synthesise(cal, code[ix], heads[ix]), cuts))
             rk, rv = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
-            slices, at = [], 0
-            for stored, start, stop in reads:
-                n = len(stored["head"])
-                h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
-                at += n
-                valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
-                first = start // g * g
-                k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
-                slices.append((k, v, stored["pos"][:, 0].astype(np.int64) + self.offset))
-            return list(pool.map(lambda kvp: tf.join(*kvp, cal.arrays["inv_freq"], self.heads), slices))
+            passages = self._passages(reads, heads, rk, rv)
+            return list(pool.map(lambda kvp: tf.join(*kvp, cal.arrays["inv_freq"], self.heads), passages))
+
+    def _passages(self, reads, heads: np.ndarray, rk: np.ndarray, rv: np.ndarray) -> list[tuple]:
+        """Each read's (keys, values, positions) cut from the rebuilt groups `(groups, g, L, C)`."""
+        g, out, at = self.group, [], 0
+        for stored, start, stop in reads:
+            n = len(stored["head"])
+            h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
+            at += n
+            valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
+            first = start // g * g
+            k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
+            out.append((k, v, stored["pos"][:, 0].astype(np.int64) + self.offset))
+        return out
 
     def _synthesise(self, cal, code: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         from cachegraft_cli.store import transform as tf
