@@ -7,7 +7,9 @@ One model load, then copies of it, each with a lever more, timed side by side an
 - `gqa`: one-token GQA packed per KV head (`cachegraft_cli/lm/gqa.py`), concatenating cache;
 - `as-loaded`: what `load_causal_lm` and `generate` give now: packed GQA and the growing decode
   cache (`kvcache.to_decode_cache`);
-- `int8`, `int4`: the same with weight-only int8 / int4 linears (`--weights`, `lm/weights.py`).
+- `int8`, `int4`: the same with weight-only int8 / int4 linears (`--weights`, `lm/weights.py`);
+- `int8-f32`, `int4-f32`: a float32 model's decode steps fed to those kernels in float32, as
+  before 2026-12-07 (they now enter in bf16: the kernels' float32 path is a scalar loop).
 
 Each variant reads the same prompt (README text as a stand-in for retrieved passages, at each
 --context length), then decodes --steps tokens one at a time as `generate` does; the median
@@ -15,7 +17,8 @@ step time is reported. A torch profile of each variant splits the step into its 
 attention, KV-cache concatenation, other ops, and the Python between them (wall minus ops).
 
     python benchmarks/decode_step.py [--context 150,700] [--steps 32] [--rounds 3]
-                                     [--variants before,gqa,as-loaded,int8,int4] [--threads 2]
+                                     [--variants before,gqa,as-loaded,int8,int4,int8-f32,int4-f32]
+                                     [--threads 2]
 """
 
 from __future__ import annotations
@@ -57,10 +60,26 @@ def variants(lm, names: list[str]) -> dict:
         t0 = time.perf_counter()
         if name == "before":
             model.set_attn_implementation("sdpa")
-        elif name in ("int8", "int4"):
-            quantize_linears(model, name)
+        elif name.split("-")[0] in ("int8", "int4"):
+            quantize_linears(model, name.split("-")[0])
+            if name.endswith("-f32"):
+                float32_kernels(model)
         out[name] = (replace(lm, model=model), time.perf_counter() - t0)
     return out
+
+
+def float32_kernels(model) -> None:
+    """Feed `model`'s quantised kernels the activations in float32 (how they ran before bf16)."""
+    import torch
+
+    from cachegraft_cli.lm.weights import QuantisedLinear
+
+    for layer in model.modules():
+        if isinstance(layer, QuantisedLinear) and layer.dense.weight.dtype == torch.float32:
+            layer.kernel_dtype = torch.float32
+            for name in ("scales", "scales_zeros"):
+                if hasattr(layer, name):
+                    setattr(layer, name, getattr(layer, name).float())
 
 
 @contextlib.contextmanager
@@ -114,7 +133,7 @@ def profile(lm, ids: list[int], n: int, variant: str) -> dict:
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1e3 / n
         total += ms
-        group = next((g for g, ops in GROUPS.items() if event.key.removeprefix("aten::") in ops), "other ops")
+        group = next((g for g, ops in GROUPS.items() if event.key.split("::")[-1] in ops), "other ops")
         out[group] += ms
     out["python"] = max(wall * 1e3 / n - total, 0.0)
     return out

@@ -3,9 +3,13 @@
 A decode step reads every weight of the receiver once for one token, so on a CPU it is bound by
 memory bandwidth: the 0.5B receiver's bf16 linears are ~1 GB a token (its 151,936 x 896 output
 layer alone 272 MB). Storing weights in int8 (one scale per output row) halves that; int4 in
-groups of 32 input weights (a scale and a zero point each) quarters it. The activations stay in
-the model's dtype and torch's own CPU kernels (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`) dequantise on the fly.
+groups of 32 input weights (a scale and a zero point each) quarters it. torch's own CPU kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) dequantise on the fly.
+
+Those kernels are vectorised for bf16 activations only: fed float32 they run a scalar loop,
+3-10x slower than fed bf16 and 2-6x slower than the dense float32 layer they replace (AVX2,
+2026-12-07, docs/results.md "The decode step"). So a float32 model's decode steps enter the
+kernels in bf16 and leave them in float32 (`kernel_dtype`); a bf16 model's stay bf16.
 
 Those kernels are matrix-vector kernels: on more than a few rows they are 2-4x slower than the
 dense bf16 GEMM (a question's ~20 tokens, a text prompt's 700), and prefill is compute-bound, not
@@ -29,6 +33,12 @@ import torch
 SCHEMES = ("as-loaded", "int8", "int4")
 INT4_GROUP = 32  # input weights per int4 scale and zero point (llama.cpp's block size)
 DECODE_ROWS = 8  # forwards of at most this many rows take the quantised kernels
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype inside the quantised kernels for a model of `dtype` (the module
+    docstring says why float32 is multiplied in bf16)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def available(scheme: str) -> bool:
@@ -64,6 +74,7 @@ class QuantisedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dense, self.bias = linear, linear.bias
+        self.kernel_dtype = kernel_dtype(linear.weight.dtype)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -72,8 +83,11 @@ class QuantisedLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.decode_rows:
             return self.dense(x)
+        if flat.dtype != self.kernel_dtype:  # float32 is multiplied in bf16 (the module docstring)
+            flat = flat.to(self.kernel_dtype)
         # the kernels take contiguous rows only; a batch's last positions (the LM head's input) are a strided view
-        y = self.product(flat.contiguous()).view(*x.shape[:-1], self.out_features)
+        y = self.product(flat.contiguous())
+        y = (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -91,7 +105,7 @@ class Int8Linear(QuantisedLinear):
         super().__init__(linear)
         parts = [_int8_rows(rows) for rows in _row_chunks(linear.weight)]
         self.register_buffer("qweight", torch.cat([q for q, _ in parts]))
-        self.register_buffer("scales", torch.cat([s for _, s in parts]).to(linear.weight.dtype))
+        self.register_buffer("scales", torch.cat([s for _, s in parts]).to(self.kernel_dtype))
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(flat, self.qweight, _in_dtype(self.scales, flat))
@@ -110,7 +124,7 @@ class Int4Linear(QuantisedLinear):
         parts = [_int4_rows(rows, group) for rows in _row_chunks(linear.weight)]
         self.register_buffer("packed", torch.cat([p for p, _ in parts]))
         # (groups, rows, 2) as the kernel takes them
-        self.register_buffer("scales_zeros", torch.cat([sz for _, sz in parts], dim=1).to(linear.weight.dtype))
+        self.register_buffer("scales_zeros", torch.cat([sz for _, sz in parts], dim=1).to(self.kernel_dtype))
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, _in_dtype(self.scales_zeros, flat))
