@@ -60,9 +60,10 @@ def variants(lm, names: list[str]) -> dict:
         t0 = time.perf_counter()
         if name == "before":
             model.set_attn_implementation("sdpa")
-        elif name.split("-")[0] in ("int8", "int4"):
-            quantize_linears(model, name.split("-")[0])
-            if name.endswith("-f32"):
+        elif name.partition("-")[0] in ("int8", "int4"):
+            scheme, _, kernels = name.partition("-")
+            quantize_linears(model, scheme)
+            if kernels == "f32":
                 float32_kernels(model)
         out[name] = (replace(lm, model=model), time.perf_counter() - t0)
     return out

@@ -9,9 +9,10 @@ groups of 32 input weights (a scale and a zero point each) quarters it. torch's 
 Those kernels are vectorised for bf16 activations only: fed float32 they run a scalar loop,
 3-10x slower than fed bf16 and 2-6x slower than the dense float32 layer they replace (AVX2,
 2026-12-07, docs/results.md "The decode step"). So a float32 model's decode steps enter the
-kernels in bf16 and leave them in float32 (`kernel_dtype`); a bf16 model's stay bf16.
+kernels in bf16 and leave them in float32 (`kernel_dtype`: the scales are kept in it too, so a
+step converts nothing but its activations); a bf16 model's stay bf16.
 
-Those kernels are matrix-vector kernels: on more than a few rows they are 2-4x slower than the
+They are also matrix-vector kernels: on more than a few rows they are 2-4x slower than the
 dense bf16 GEMM (a question's ~20 tokens, a text prompt's 700), and prefill is compute-bound, not
 memory-bound. So each layer keeps its dense weight too and takes the quantised path only for
 forwards of at most `DECODE_ROWS` rows: decode steps (a batch of up to `DECODE_ROWS` answers).
@@ -91,10 +92,6 @@ class QuantisedLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _in_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == x.dtype else t.to(x.dtype)  # `.to` itself costs ~5 us a call
-
-
 class Int8Linear(QuantisedLinear):
     """Int8 weights and one scale per output row (symmetric)."""
 
@@ -108,7 +105,7 @@ class Int8Linear(QuantisedLinear):
         self.register_buffer("scales", torch.cat([s for _, s in parts]).to(self.kernel_dtype))
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(flat, self.qweight, _in_dtype(self.scales, flat))
+        return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
 
 class Int4Linear(QuantisedLinear):
@@ -127,7 +124,7 @@ class Int4Linear(QuantisedLinear):
         self.register_buffer("scales_zeros", torch.cat([sz for _, sz in parts], dim=1).to(self.kernel_dtype))
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, _in_dtype(self.scales_zeros, flat))
+        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
 
 
 
