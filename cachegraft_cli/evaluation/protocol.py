@@ -28,6 +28,7 @@ from cachegraft_cli.evaluation.datasets import (
     rechunk,
 )
 from cachegraft_cli.evaluation.judges import Judge, JudgeItem, PairItem, judge_name, load_judge
+from cachegraft_cli.evaluation.kinds import PassageWords, answer_source
 from cachegraft_cli.evaluation.metrics import exact_match, f1_score, recall_at_k
 from cachegraft_cli.evaluation.plots import write_plots
 from cachegraft_cli.evaluation.records import ANSWER_KEY, PAIR_KEY, VERDICT_KEY, RecordFile, read_records
@@ -169,9 +170,13 @@ def answer_jobs(config: RunConfig) -> list[tuple[str, int]]:
     return [(s, k) for s in config.systems for k in ([0] if base_system(s) in K_FREE_SYSTEMS else config.ks)]
 
 
-def answer_record(bench: str, q: QAExample, system: str, k: int, result: dict) -> dict:
+def answer_record(bench: str, q: QAExample, system: str, k: int, result: dict,
+                  words: PassageWords | None = None) -> dict:
+    """The record of one answer; `words` (the benchmark's passages) locates the answer's words
+    among the retrieved passages (`kinds.answer_source`)."""
     answer = str(result.get("answer", ""))
     retrieved = [str(p["id"]) for p in result.get("passages", [])]
+    source = answer_source(answer, retrieved, q.gold_ids, words) if words is not None else None
     return {
         "benchmark": bench, "id": q.id, "system": system, "k": k, "question": q.question,
         "golds": list(q.answers), "gold_ids": list(q.gold_ids), "answer": answer,
@@ -179,11 +184,24 @@ def answer_record(bench: str, q: QAExample, system: str, k: int, result: dict) -
         "recall": recall_at_k(retrieved, q.gold_ids, k) if k > 0 else None,
         "em": exact_match(answer, q.answers), "f1": f1_score(answer, q.answers),
         "timings": dict(result.get("timings", {})), "stats": dict(result.get("stats", {})),
+        **({"source": source} if words is not None else {}),
     }
+
+
+def locate_answers(bench: Benchmark, words: PassageWords, answers: RecordFile) -> int:
+    """Give the benchmark's records written before answers were located their `source` (a
+    resumed run's report then breaks every answer down); how many were updated."""
+    gold_ids = {q.id: q.gold_ids for q in bench.questions}
+    stale = [r for r in answers.records() if r["benchmark"] == bench.name and "source" not in r]
+    for r in stale:
+        answers.append({**r, "source": answer_source(r["answer"], r["retrieved"], gold_ids.get(r["id"], []), words)})
+    return len(stale)
 
 
 def answer_benchmark(bench: Benchmark, answerer: Answerer, config: RunConfig, answers: RecordFile,
                      progress: bool) -> None:
+    words = PassageWords({p.id: p.text for p in bench.passages})
+    locate_answers(bench, words, answers)
     pending = {job: [q for q in bench.questions if (bench.name, q.id, *job) not in answers]
                for job in answer_jobs(config)}
     total = sum(map(len, pending.values()))
@@ -197,7 +215,7 @@ def answer_benchmark(bench: Benchmark, answerer: Answerer, config: RunConfig, an
                 results = answerer.answer(bench.name, batch, system, k)
                 _check_results(results, batch, system)
                 for q, result in zip(batch, results):
-                    answers.append(answer_record(bench.name, q, system, k, result))
+                    answers.append(answer_record(bench.name, q, system, k, result, words))
                 bar.update(len(batch))
 
 

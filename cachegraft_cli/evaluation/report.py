@@ -47,6 +47,18 @@ def _scores_section(summary: dict, bench: str) -> list[str]:
     return [f"## Scores: {bench}", "", *table(header, body), ""]
 
 
+def _kinds_section(summary: dict, bench: str) -> list[str]:
+    rows = [r for r in summary.get("kinds", []) if r["benchmark"] == bench]
+    shown = [kind for kind in (rows[0]["kinds"] if rows else {}) if any(r["kinds"][kind] for r in rows)]
+    if not shown:
+        return []
+    body = [[r["system"], _k(r["k"]), r["n"], *(_pct(r["kinds"][kind]) for kind in shown)] for r in rows]
+    return [f"## What the answers are: {bench} (% of answers)", "", *table(["system", "k", "n", *shown], body), "",
+            "Cut short / too long: the answer's words all within a gold answer's, or a gold answer's all "
+            "within it; partly right: other overlap. The wrong ones by where their words occur: in a "
+            "retrieved gold passage (wrong span), only in other retrieved passages, or in none.", ""]
+
+
 def _judge_section(summary: dict) -> list[str]:
     if not summary["judge_scores"]:
         return []
@@ -102,6 +114,7 @@ def render_report(summary: dict, plots: Sequence[str] = ()) -> str:
     lines += _settings(config)
     for bench in config["benchmarks"]:
         lines += _scores_section(summary, bench["name"])
+        lines += _kinds_section(summary, bench["name"])
     lines += _judge_section(summary)
     for key in summary["headlines"]:
         lines += _comparison_section(summary, *key.split(" vs "))

@@ -11,6 +11,7 @@ import math
 import zlib
 from collections.abc import Sequence
 
+from cachegraft_cli.evaluation.kinds import kind_shares
 from cachegraft_cli.evaluation.metrics import mean
 from cachegraft_cli.evaluation.stats import ALPHA, bootstrap_ci, cohen_kappa, holm, paired_comparison, rank_auc
 from cachegraft_cli.evaluation.variants import BEST_TEXT, base_system
@@ -60,6 +61,12 @@ def system_scores(answers: list[dict], config: dict) -> list[dict]:
             "timings": _numeric_means(rows, "timings"), "stats": _numeric_means(rows, "stats"),
         })
     return out
+
+
+def answer_kinds(answers: list[dict]) -> list[dict]:
+    """Per (benchmark, system, k): the share of answers of each kind (`kinds.KINDS`)."""
+    return [{"benchmark": bench, "system": system, "k": k, "n": len(rows), "kinds": kind_shares(rows)}
+            for (bench, system, k), rows in _group(answers, ("benchmark", "system", "k")).items()]
 
 
 def judge_scores(verdicts: list[dict], config: dict) -> list[dict]:
@@ -203,6 +210,7 @@ def summarize(config: dict, answers: list[dict], verdicts: list[dict], pairs: li
         "best_text": [{"benchmark": b, "k": k, "system": label}
                       for (b, k), label in sorted(best_text(answers, config).items())],
         "systems": sorted(system_scores(answers, config), key=order),
+        "kinds": sorted(answer_kinds(answers), key=order),
         "judge_scores": sorted(judge_scores(verdicts, config), key=lambda r: (order(r), r["judge"])),
         "judge_agreement": judge_agreement(answers, verdicts),
         "comparisons": rows,
