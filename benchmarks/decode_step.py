@@ -9,7 +9,10 @@ One model load, then copies of it, each with a lever more, timed side by side an
   cache (`kvcache.to_decode_cache`);
 - `int8`, `int4`: the same with weight-only int8 / int4 linears (`--weights`, `lm/weights.py`);
 - `int8-f32`, `int4-f32`: a float32 model's decode steps fed to those kernels in float32, as
-  before 2026-12-07 (they now enter in bf16: the kernels' float32 path is a scalar loop).
+  before 2026-12-07 (they now enter in bf16: the kernels' float32 path is a scalar loop);
+- `hf`, `int8-hf`, `int4-hf`: `as-loaded`, `int8`, `int4` with every step through transformers'
+  forward instead of the lean step (`cachegraft_cli/lm/decoder.py`), as before 2026-12-07.
+  `before`, `gqa` and the `-f32` variants step through transformers' forward too.
 
 Each variant reads the same prompt (README text as a stand-in for retrieved passages, at each
 --context length), then decodes --steps tokens one at a time as `generate` does; the median
@@ -17,7 +20,7 @@ step time is reported. A torch profile of each variant splits the step into its 
 attention, KV-cache concatenation, other ops, and the Python between them (wall minus ops).
 
     python benchmarks/decode_step.py [--context 150,700] [--steps 32] [--rounds 3]
-                                     [--variants before,gqa,as-loaded,int8,int4,int8-f32,int4-f32]
+                                     [--variants before,gqa,hf,as-loaded,int8-hf,int8,int4-hf,int4,...]
                                      [--threads 2]
 """
 
@@ -42,7 +45,7 @@ def parse_args(argv):
     ap.add_argument("--context", default="150,700", help="prompt tokens before decoding (comma list)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="before,gqa,as-loaded,int8,int4")
+    ap.add_argument("--variants", default="hf,as-loaded,int8-hf,int8,int4-hf,int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-profile", action="store_true")
     return ap.parse_args(argv)
@@ -52,19 +55,22 @@ def variants(lm, names: list[str]) -> dict:
     """name -> (LoadedModel copy, seconds its conversion took)."""
     from dataclasses import replace
 
+    from cachegraft_cli.lm import decoder
     from cachegraft_cli.lm.weights import quantize_linears
 
     out = {}
     for name in names:
         model = copy.deepcopy(lm.model)
         t0 = time.perf_counter()
+        scheme, _, suffix = name.partition("-")
         if name == "before":
             model.set_attn_implementation("sdpa")
-        elif name.partition("-")[0] in ("int8", "int4"):
-            scheme, _, kernels = name.partition("-")
+        elif scheme in ("int8", "int4"):
             quantize_linears(model, scheme)
-            if kernels == "f32":
+            if suffix == "f32":
                 float32_kernels(model)
+        if name in ("before", "gqa", "hf") or suffix in ("hf", "f32"):
+            decoder.keep_transformers(model)
         out[name] = (replace(lm, model=model), time.perf_counter() - t0)
     return out
 

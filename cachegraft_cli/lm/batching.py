@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.lm.generation import Prompt, Row, Stepper, prefill_batch
+from cachegraft_cli.lm.generation import Prompt, Row, Stepper, decode_step, prefill_batch
 
 
 @dataclass
@@ -68,16 +68,13 @@ class RunningBatch:
         """One decode step of every row; returns the rows that ended with it (they leave)."""
         if not self.rows or self.block is None:
             return []
-        b, device = self.block, self.lm.device
-        kwargs = {}
+        b = self.block
         if b.mask is not None:
             b.mask = torch.cat([b.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
-            kwargs["attention_mask"] = b.mask.to(device)
-        out = self.lm.model(input_ids=torch.tensor([[r.out[-1]] for r in self.rows], device=device),
-                            cache=b.cache, position_ids=b.positions[:, None].to(device), use_cache=True,
-                            logits_to_keep=1, **kwargs)
-        b.cache, b.positions = out.cache, b.positions + 1
-        for row, row_logits in zip(self.rows, out.logits[:, -1].float()):
+        ids = torch.tensor([[r.out[-1]] for r in self.rows])
+        b.cache, logits = decode_step(self.lm, b.cache, ids, b.positions[:, None], b.mask)
+        b.positions = b.positions + 1
+        for row, row_logits in zip(self.rows, logits):
             row.take(row_logits)
         return self._drop_done()
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from cachegraft_cli.lm import kvcache
+from cachegraft_cli.lm import decoder, kvcache
 from cachegraft_cli.lm.kvcache import PlainKV
 from cachegraft_cli.lm.sampling import GenerationOptions
 
@@ -202,10 +202,12 @@ class Stepper:
     def __call__(self, ids: list[int]) -> torch.Tensor:
         positions = torch.arange(self.position, self.position + len(ids), device=self.lm.device)[None]
         self.position += len(ids)
-        kwargs: dict[str, torch.Tensor] = {}
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
-            kwargs["attention_mask"] = self.mask.to(self.lm.device)
+        if len(ids) == 1:
+            self.cache, logits = decode_step(self.lm, self.cache, torch.tensor([ids]), positions, self.mask)
+            return logits[0]
+        kwargs = {} if self.mask is None else {"attention_mask": self.mask.to(self.lm.device)}
         return self._forward(ids, positions, **kwargs)
 
     def _forward(self, ids: list[int], positions: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -219,6 +221,22 @@ class Stepper:
         )
         self.cache = out.cache
         return out.logits[0, -1].float()
+
+
+def decode_step(lm, cache, ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    """One new token per row after `cache`: `ids` and `positions` `(rows, 1)`, `mask` the 2D
+    mask `(rows, slots)` of what each row sees (None: everything). Returns the cache and float32
+    logits `(rows, vocab)`. Runs `lm/decoder.py`'s lean step where the model is one it runs, else
+    the model's forward."""
+    device = lm.device
+    lean = decoder.for_model(lm.model)
+    if lean is not None and cache is not None:
+        return cache, lean.step(cache, ids.to(device), positions.to(device), mask).float()
+    kwargs = {} if mask is None else {"attention_mask": mask.to(device)}
+    out = lm.model(input_ids=ids.to(device), cache=cache, position_ids=positions.to(device), use_cache=True,
+                   logits_to_keep=1, **kwargs)
+    return out.cache, out.logits[:, -1].float()
 
 
 def pick_token(logits: torch.Tensor, config: GenerationOptions, rng) -> int:
@@ -381,6 +399,9 @@ class _BatchStepper:
 
     def __call__(self, ids, positions, new_mask) -> torch.Tensor:
         self.mask = torch.cat([self.mask, new_mask], dim=1)
+        if ids.shape[1] == 1:
+            self.cache, logits = decode_step(self.lm, self.cache, ids, positions, self.mask)
+            return logits
         return self._forward(ids, positions, self.mask)
 
     def _forward(self, ids, positions, mask) -> torch.Tensor:
