@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cachegraft_cli.lm import gqa
+from cachegraft_cli.lm.kvcache import rotate_half
 from cachegraft_cli.lm.weights import Int8Linear
 
 MODEL_TYPES = ("qwen2", "qwen3")  # decoder layers this module runs as transformers runs them
@@ -68,45 +69,22 @@ def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     return norm.weight * x32.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Projections:
-    """Several linear layers that read the same input: one int8 kernel call when every one is an
-    `Int8Linear` and the call is a decode step, else each layer's own forward."""
+    """Several linear layers that read the same input: one int8 kernel call
+    (`weights.Int8Linear.stacked`) when every one is an `Int8Linear` and the call is a decode
+    step, else each layer's own forward."""
 
     def __init__(self, linears: list[Any]):
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
-        self.fused = len(linears) > 1 and all(type(m) is Int8Linear for m in linears) and \
+        fusable = len(linears) > 1 and all(type(m) is Int8Linear for m in linears) and \
             len({m.kernel_dtype for m in linears}) == 1
-        if self.fused:
-            self._fuse()
-
-    def _fuse(self) -> None:
-        qweight = torch.cat([m.qweight for m in self.linears])
-        scales = torch.cat([m.scales for m in self.linears])
-        at = 0
-        for m, size in zip(self.linears, self.sizes):  # the layers keep views: no weight is held twice
-            m.qweight, m.scales = qweight[at: at + size], scales[at: at + size]
-            at += size
-        biases = [m.bias for m in self.linears]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(s, dtype=qweight.dtype) for b, s in zip(biases, self.sizes)])
-        self.qweight, self.scales, self.kernel_dtype = qweight, scales, self.linears[0].kernel_dtype
+        self.stacked = Int8Linear.stacked(linears) if fusable else None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])
-        if not self.fused or flat.shape[0] > self.linears[0].decode_rows:
+        if self.stacked is None or x.numel() // x.shape[-1] > self.linears[0].decode_rows:
             return [m(x) for m in self.linears]
-        y = torch._weight_int8pack_mm(flat.to(self.kernel_dtype).contiguous(), self.qweight, self.scales)
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        parts = y.split(self.sizes, dim=-1)
-        if self.bias is not None:
-            parts = tuple(p + b for p, b in zip(parts, self.bias.split(self.sizes)))
-        return [p.view(*x.shape[:-1], p.shape[-1]) for p in parts]
+        return list(self.stacked.quantised(x).split(self.sizes, dim=-1))
 
 
 class Layer:

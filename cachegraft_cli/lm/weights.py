@@ -70,6 +70,8 @@ class QuantisedLinear(torch.nn.Module):
     rows) and multiplies decode steps through a quantised kernel (`product`, per subclass)."""
 
     decode_rows = DECODE_ROWS  # `set_decode_rows` changes it per model
+    dense: torch.nn.Linear | None  # None in a `stacked` layer
+    bias: torch.Tensor | None
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -81,9 +83,13 @@ class QuantisedLinear(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > self.decode_rows:
+        if x.numel() // self.in_features > self.decode_rows and self.dense is not None:
             return self.dense(x)
+        return self.quantised(x)
+
+    def quantised(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` through the quantised kernel, whatever its rows."""
+        flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.kernel_dtype:  # float32 is multiplied in bf16 (the module docstring)
             flat = flat.to(self.kernel_dtype)
         # the kernels take contiguous rows only; a batch's last positions (the LM head's input) are a strided view
@@ -106,6 +112,27 @@ class Int8Linear(QuantisedLinear):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+
+    @classmethod
+    def stacked(cls, layers: list["Int8Linear"]) -> "Int8Linear":
+        """One layer computing `layers`' outputs side by side (they read the same input): one kernel
+        call for several. Each output row is its own dot product, so it gives what they give. The
+        layers then keep views into its buffers, so no weight is held twice. It has no dense twin:
+        its caller reads more rows than `decode_rows` through the layers themselves."""
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features, out.out_features = layers[0].in_features, sum(m.out_features for m in layers)
+        out.dense, out.kernel_dtype = None, layers[0].kernel_dtype
+        given = [m.bias for m in layers if m.bias is not None]
+        out.bias = torch.cat([m.bias if m.bias is not None else given[0].new_zeros(m.out_features)
+                              for m in layers]) if given else None
+        out.register_buffer("qweight", torch.cat([m.qweight for m in layers]))
+        out.register_buffer("scales", torch.cat([m.scales for m in layers]))
+        at = 0
+        for m in layers:
+            m.qweight, m.scales = out.qweight[at: at + m.out_features], out.scales[at: at + m.out_features]
+            at += m.out_features
+        return out
 
 
 class Int4Linear(QuantisedLinear):

@@ -78,9 +78,9 @@ def test_fused_int8_projections_hold_no_second_copy(tiny_dirs):
     lm = load(tiny_dirs, "receiver", "int8")
     lean = decoder.for_model(lm.model)
     layer = lean.layers[0]
-    assert layer.qkv.fused and layer.gate_up.fused
+    assert layer.qkv.stacked is not None and layer.gate_up.stacked is not None
     q_proj = lm.model.model.layers[0].self_attn.q_proj
-    assert q_proj.qweight.untyped_storage().data_ptr() == layer.qkv.qweight.untyped_storage().data_ptr()
+    assert q_proj.qweight.untyped_storage().data_ptr() == layer.qkv.stacked.qweight.untyped_storage().data_ptr()
     # a prompt longer than the kernels' rows still reads each layer's own (dense) weights
     assert q_proj(torch.zeros(1, 20, q_proj.in_features)).shape == (1, 20, q_proj.out_features)
 
@@ -99,4 +99,4 @@ def test_replaced_layers_get_a_new_decoder(tiny_dirs):
     assert decoder.for_model(lm.model) is before
     weights.quantize_linears(lm.model, "int8")
     after = decoder.for_model(lm.model)
-    assert after is not before and after.layers[0].qkv.fused
+    assert after is not before and after.layers[0].qkv.stacked is not None
