@@ -8,10 +8,12 @@ then waits for its threads. `Decoder` runs the same operations on the same weigh
 order, straight from the loaded model's tensors: a step gives the logits transformers' forward
 gives (the tests hold them equal), with less in between.
 
-With int8 weights (`weights.Int8Linear`) a layer's q, k and v projections are one kernel call,
-as are the MLP's gate and up projections: their rows are stored together and each layer keeps
-views into them, so no weight is held twice. Each output row of the kernel is its own dot
-product, so the fused call gives what the separate ones give.
+With int8 or int4 weights (`weights.QuantisedLinear`) a layer's q, k and v projections are one
+kernel call, as are the MLP's gate and up projections: their rows are stored together and each
+layer keeps views into them, so no weight is held twice (int4's small scale tables excepted).
+Each output row of the kernel is its own dot product, so the fused call gives what the separate
+ones give. Queries and keys are normed (Qwen3) and rotated as one tensor: each op runs once per
+layer instead of twice, on the same numbers.
 
 Only decoder layers of the Qwen2 / Qwen3 shape (pre-norm attention with optional q/k norms, a
 gated MLP, full attention everywhere, packed one-token GQA from `gqa.py`) are run here;
@@ -26,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cachegraft_cli.lm import gqa
-from cachegraft_cli.lm.kvcache import rotate_half
-from cachegraft_cli.lm.weights import Int8Linear
+from cachegraft_cli.lm.weights import QuantisedLinear
 
 MODEL_TYPES = ("qwen2", "qwen3")  # decoder layers this module runs as transformers runs them
 ATTRIBUTE = "_cachegraft_decoder"  # where a model keeps its Decoder (None: not supported)
@@ -57,34 +58,41 @@ def supported(model: Any) -> bool:
     if getattr(config, "_attn_implementation", None) != gqa.NAME:
         return False
     types = getattr(config, "layer_types", None) or ["full_attention"]
-    return all(t == "full_attention" for t in types) and next(model.parameters()).device.type == "cpu"
+    if not all(t == "full_attention" for t in types) or next(model.parameters()).device.type != "cpu":
+        return False
+    attn = model.model.layers[0].self_attn  # q and k are normed as one: with one epsilon
+    q_norm: Any = getattr(attn, "q_norm", None)
+    return q_norm is None or q_norm.variance_epsilon == attn.k_norm.variance_epsilon
 
 
 def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """transformers' Qwen RMSNorm, operation for operation (float32 inside, weight applied in the
     input's dtype)."""
-    dtype = x.dtype
+    return norm.weight * normalised(x, norm.variance_epsilon)
+
+
+def normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm before its weight, in `x`'s dtype."""
     x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x32.to(dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Projections:
-    """Several linear layers that read the same input: one int8 kernel call
-    (`weights.Int8Linear.stacked`) when every one is an `Int8Linear` and the call is a decode
-    step, else each layer's own forward."""
+    """Several linear layers that read the same input, their outputs side by side: one quantised
+    kernel call (`weights.QuantisedLinear.stacked`) when they are quantised alike and the call is
+    a decode step, else each layer's own forward."""
 
     def __init__(self, linears: list[Any]):
         self.linears = linears
-        self.sizes = [m.out_features for m in linears]
-        fusable = len(linears) > 1 and all(type(m) is Int8Linear for m in linears) and \
-            len({m.kernel_dtype for m in linears}) == 1
-        self.stacked = Int8Linear.stacked(linears) if fusable else None
+        kind = type(linears[0])
+        fusable = issubclass(kind, QuantisedLinear) and kind.can_stack(linears)
+        self.stacked = kind.stacked(linears) if fusable else None
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., sum of out_features)`: each layer's output in turn."""
         if self.stacked is None or x.numel() // x.shape[-1] > self.linears[0].decode_rows:
-            return [m(x) for m in self.linears]
-        return list(self.stacked.quantised(x).split(self.sizes, dim=-1))
+            return torch.cat([m(x) for m in self.linears], dim=-1)
+        return self.stacked.quantised(x)
 
 
 class Layer:
@@ -93,12 +101,17 @@ class Layer:
     def __init__(self, layer: Any, config: Any):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qkv = Projections([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up = Projections([mlp.gate_proj, mlp.up_proj])
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.scaling, self.head_dim = attn.scaling, attn.head_dim
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.inner = mlp.gate_proj.out_features
+        # Qwen3's q and k norms as one: each head's weights in a (heads + kv_heads, dim) table
+        q_norm: Any = getattr(attn, "q_norm", None)
+        self.qk_norm = None if q_norm is None else torch.cat([
+            q_norm.weight.detach().expand(self.heads, -1), attn.k_norm.weight.detach().expand(self.kv_heads, -1)])
+        self.qk_eps: float = 0.0 if q_norm is None else q_norm.variance_epsilon
 
 
 class Decoder:
@@ -124,26 +137,29 @@ class Decoder:
         transformers cache, as the model's forward takes)."""
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
-        cos, sin = cos[:, None], sin[:, None]  # (rows, 1, 1, dim): over heads
+        # (rows, 1, 1, dim): the same angle for every head. RoPE's rotate_half negates the second
+        # half of a head and swaps the halves; the sign goes into sin instead (exactly: negation
+        # commutes with a product), so a rotation is one flip and three products.
+        half = sin.shape[-1] // 2
+        cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
         # a mask that hides nothing is dropped, as transformers drops it
         seen = None if mask is None or bool(mask.all()) else mask.bool()[:, None, None, :]
         for index, layer in enumerate(self.layers):
             h = h + self._attention(layer, index, rms_norm(h, layer.input_norm), cos, sin, cache, seen)
-            gate, up = layer.gate_up(rms_norm(h, layer.post_norm))
+            gate_up = layer.gate_up(rms_norm(h, layer.post_norm))
+            gate, up = gate_up[..., :layer.inner], gate_up[..., layer.inner:]
             h = h + layer.down_proj(layer.act(gate) * up)
         return self.head(rms_norm(h, self.norm)[:, -1])
 
     @staticmethod
     def _attention(layer: Layer, index: int, x: torch.Tensor, cos, sin, cache, seen) -> torch.Tensor:
-        rows, dim = x.shape[0], layer.head_dim
-        q, k, v = layer.qkv(x)
-        q, k, v = q.view(rows, 1, -1, dim), k.view(rows, 1, -1, dim), v.view(rows, 1, -1, dim)
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        keys, values = cache.update(k, v, index)
-        groups = layer.heads // layer.kv_heads
-        packed = q.reshape(rows, layer.kv_heads, groups, dim)  # one-token GQA as gqa.cpu_sdpa packs it
+        rows, dim, heads, kv = x.shape[0], layer.head_dim, layer.heads, layer.kv_heads
+        qkv = layer.qkv(x).view(rows, 1, heads + 2 * kv, dim)
+        qk, v = qkv[:, :, :heads + kv], qkv[:, :, heads + kv:]  # q and k are normed and rotated as one
+        if layer.qk_norm is not None:
+            qk = layer.qk_norm * normalised(qk, layer.qk_eps)
+        qk = qk * cos + qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2) * sin
+        keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2), index)
+        packed = qk[:, :, :heads].reshape(rows, kv, heads // kv, dim)  # one-token GQA as gqa.cpu_sdpa packs it
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=seen, scale=layer.scaling)
-        return layer.o_proj(out.reshape(rows, 1, layer.heads * dim))
+        return layer.o_proj(out.reshape(rows, 1, heads * dim))

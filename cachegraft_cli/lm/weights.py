@@ -70,6 +70,9 @@ class QuantisedLinear(torch.nn.Module):
     rows) and multiplies decode steps through a quantised kernel (`product`, per subclass)."""
 
     decode_rows = DECODE_ROWS  # `set_decode_rows` changes it per model
+    ROWS: dict[str, int] = {}  # each quantised buffer: the axis its output rows lie on
+    SETTINGS: tuple[str, ...] = ()  # what layers must share to be `stacked`
+    ROW_BLOCK = 1  # the kernel's packing is row-separable at multiples of this many output rows
     dense: torch.nn.Linear | None  # None in a `stacked` layer
     bias: torch.Tensor | None
 
@@ -87,6 +90,44 @@ class QuantisedLinear(torch.nn.Module):
             return self.dense(x)
         return self.quantised(x)
 
+    @classmethod
+    def stacked(cls, layers: list) -> "QuantisedLinear":
+        """One layer computing `layers`' outputs side by side (they read the same input and share
+        a class and `SETTINGS`): one kernel call for several. Each output row is its own dot
+        product, so it gives what they give. Buffers whose output rows are leading rows (`ROWS`
+        axis 0) are then views of its buffers in the layers, so no weight is held twice; the
+        others (int4's scales, rows on axis 1) stay the layers' own, since a view across rows
+        would not be contiguous and the kernels take contiguous buffers only. It has no dense
+        twin: its caller reads more rows than `decode_rows` through the layers themselves."""
+        first = layers[0]
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features, out.out_features = first.in_features, sum(m.out_features for m in layers)
+        out.dense, out.kernel_dtype = None, first.kernel_dtype
+        for name in cls.SETTINGS:
+            setattr(out, name, getattr(first, name))
+        given = [m.bias for m in layers if m.bias is not None]
+        out.bias = torch.cat([m.bias if m.bias is not None else given[0].new_zeros(m.out_features)
+                              for m in layers]) if given else None
+        for name, axis in cls.ROWS.items():
+            out.register_buffer(name, torch.cat([getattr(m, name) for m in layers], dim=axis))
+        at = 0
+        for m in layers:
+            for name in [n for n, axis in cls.ROWS.items() if axis == 0]:
+                setattr(m, name, getattr(out, name)[at: at + m.out_features])
+            at += m.out_features
+        return out
+
+    @classmethod
+    def can_stack(cls, layers: list) -> bool:
+        """Whether `stacked` can join `layers` in this order: one kernel and its settings, the same
+        inputs, and every layer but the last a whole number of the packing's row blocks."""
+        first = layers[0]
+        return len(layers) > 1 and all(
+            type(m) is cls and m.kernel_dtype == first.kernel_dtype and m.in_features == first.in_features
+            and all(getattr(m, n) == getattr(first, n) for n in cls.SETTINGS) for m in layers) and \
+            all(m.out_features % cls.ROW_BLOCK == 0 for m in layers[:-1])
+
     def quantised(self, x: torch.Tensor) -> torch.Tensor:
         """`x` through the quantised kernel, whatever its rows."""
         flat = x.reshape(-1, self.in_features)
@@ -103,6 +144,7 @@ class Int8Linear(QuantisedLinear):
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    ROWS = {"qweight": 0, "scales": 0}
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)
@@ -113,26 +155,6 @@ class Int8Linear(QuantisedLinear):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
-    @classmethod
-    def stacked(cls, layers: list["Int8Linear"]) -> "Int8Linear":
-        """One layer computing `layers`' outputs side by side (they read the same input): one kernel
-        call for several. Each output row is its own dot product, so it gives what they give. The
-        layers then keep views into its buffers, so no weight is held twice. It has no dense twin:
-        its caller reads more rows than `decode_rows` through the layers themselves."""
-        out = cls.__new__(cls)
-        torch.nn.Module.__init__(out)
-        out.in_features, out.out_features = layers[0].in_features, sum(m.out_features for m in layers)
-        out.dense, out.kernel_dtype = None, layers[0].kernel_dtype
-        given = [m.bias for m in layers if m.bias is not None]
-        out.bias = torch.cat([m.bias if m.bias is not None else given[0].new_zeros(m.out_features)
-                              for m in layers]) if given else None
-        out.register_buffer("qweight", torch.cat([m.qweight for m in layers]))
-        out.register_buffer("scales", torch.cat([m.scales for m in layers]))
-        at = 0
-        for m in layers:
-            m.qweight, m.scales = out.qweight[at: at + m.out_features], out.scales[at: at + m.out_features]
-            at += m.out_features
-        return out
 
 
 class Int4Linear(QuantisedLinear):
@@ -141,6 +163,9 @@ class Int4Linear(QuantisedLinear):
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    ROWS = {"packed": 0, "scales_zeros": 1}
+    SETTINGS = ("group",)
+    ROW_BLOCK = 64  # the CPU packing interleaves output rows in blocks of 64 (the last one shorter)
 
     def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP):
         super().__init__(linear)

@@ -64,6 +64,32 @@ def test_a_strided_batch_computes_as_its_contiguous_copy(cls):
     assert torch.equal(layer(last), layer(last.contiguous()))
 
 
+@pytest.mark.parametrize("cls, rows", [(Int8Linear, (48, 16, 16)), (Int4Linear, (128, 64, 32))])
+def test_stacked_layers_give_what_each_gives_and_share_its_rows(cls, rows):
+    """q/k/v (or gate/up) as one kernel call: the same numbers, and no weight held twice."""
+    torch.manual_seed(0)
+    layers = [cls(torch.nn.Linear(96, n).to(torch.bfloat16)) for n in rows]
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    separate = torch.cat([m(x) for m in layers], dim=-1)
+    assert cls.can_stack(layers)
+    stacked = cls.stacked(layers)
+    assert torch.equal(stacked.quantised(x), separate)
+    assert torch.equal(torch.cat([m(x) for m in layers], dim=-1), separate)  # the layers still compute alone
+    first = next(iter(cls.ROWS))  # the packed weights: views into the stacked buffer
+    assert getattr(layers[1], first).untyped_storage().data_ptr() == \
+        getattr(stacked, first).untyped_storage().data_ptr()
+
+
+def test_int4_layers_stack_only_on_whole_row_blocks():
+    """The int4 packing interleaves rows 64 at a time: a 32-row layer before another would put the
+    second layer's rows in the first one's block."""
+    torch.manual_seed(0)
+    short, long = (Int4Linear(torch.nn.Linear(96, n).to(torch.bfloat16)) for n in (32, 64))
+    assert not Int4Linear.can_stack([short, long]) and Int4Linear.can_stack([long, short])
+    assert not Int4Linear.can_stack([long, Int4Linear(torch.nn.Linear(64, 64).to(torch.bfloat16))])
+    assert not Int8Linear.can_stack([Int8Linear(torch.nn.Linear(96, 16)), long])
+
+
 def test_quantisation_error_is_bounded():
     torch.manual_seed(1)
     linear = torch.nn.Linear(256, 64, bias=False)
