@@ -1,6 +1,7 @@
 """The receiver's decode step on CPU: where its time goes, and what each lever buys (real model).
 
-One model load, then copies of it, each with a lever more, timed side by side and interleaved:
+One model load, then copies of it, each with a lever more, timed side by side and interleaved
+(a variant that differs from another only in its step, `X-hf`, shares that one's copy):
 
 - `before`: transformers' own SDPA attention (one-token GQA through `enable_gqa`) and its
   concatenating `DynamicCache`, as CacheGraft 0.2.0 decoded;
@@ -52,26 +53,33 @@ def parse_args(argv):
 
 
 def variants(lm, names: list[str]) -> dict:
-    """name -> (LoadedModel copy, seconds its conversion took)."""
+    """name -> (LoadedModel, its lean `Decoder` or None for transformers' forward, seconds its
+    conversion took). `hf` and `X-hf` share the model of `as-loaded` and `X`: the same weights at
+    the same addresses, so only the step differs (separate copies alone moved a variant by up to
+    10% between runs on a 2-core VM)."""
     from dataclasses import replace
 
     from cachegraft_cli.lm import decoder
     from cachegraft_cli.lm.weights import quantize_linears
 
+    copies: dict = {}
     out = {}
     for name in names:
-        model = copy.deepcopy(lm.model)
-        t0 = time.perf_counter()
         scheme, _, suffix = name.partition("-")
-        if name == "before":
-            model.set_attn_implementation("sdpa")
-        elif scheme in ("int8", "int4"):
-            quantize_linears(model, scheme)
-            if suffix == "f32":
-                float32_kernels(model)
-        if name in ("before", "gqa", "hf") or suffix in ("hf", "f32"):
-            decoder.keep_transformers(model)
-        out[name] = (replace(lm, model=model), time.perf_counter() - t0)
+        base = "as-loaded" if name == "hf" else scheme if suffix == "hf" else name
+        if base not in copies:
+            model = copy.deepcopy(lm.model)
+            t0 = time.perf_counter()
+            if name == "before":
+                model.set_attn_implementation("sdpa")
+            elif scheme in ("int8", "int4"):
+                quantize_linears(model, scheme)
+                if suffix == "f32":
+                    float32_kernels(model)
+            copies[base] = (replace(lm, model=model), time.perf_counter() - t0)
+        loaded, seconds = copies[base]
+        forward = name in ("before", "gqa", "hf") or suffix in ("hf", "f32")
+        out[name] = (loaded, None if forward else decoder.for_model(loaded.model), seconds)
     return out
 
 
@@ -103,12 +111,20 @@ def cache_of(variant: str):
         kvcache.to_decode_cache = real
 
 
-def steps(lm, ids: list[int], n: int, variant: str) -> list[float]:
+def use(lm, lean) -> None:
+    """Step `lm` with `lean` (a Decoder), or with transformers' forward (None)."""
+    from cachegraft_cli.lm import decoder
+
+    setattr(lm.model, decoder.ATTRIBUTE, lean)
+
+
+def steps(lm, lean, ids: list[int], n: int, variant: str) -> list[float]:
     """Seconds of each of `n` one-token decode steps after reading `ids`."""
     import torch
 
     from cachegraft_cli.lm.generation import Prompt, Stepper
 
+    use(lm, lean)
     times = []
     with torch.inference_mode(), cache_of(variant):
         step = Stepper(lm, Prompt.plain(None, ids, 0))
@@ -120,13 +136,14 @@ def steps(lm, ids: list[int], n: int, variant: str) -> list[float]:
     return times
 
 
-def profile(lm, ids: list[int], n: int, variant: str) -> dict:
+def profile(lm, lean, ids: list[int], n: int, variant: str) -> dict:
     """Milliseconds per step by op group, and the Python between ops (wall minus ops)."""
     import torch
     from torch.profiler import profile as torch_profile
 
     from cachegraft_cli.lm.generation import Prompt, Stepper
 
+    use(lm, lean)
     with torch.inference_mode(), cache_of(variant):
         step = Stepper(lm, Prompt.plain(None, ids, 0))
         step.first()
@@ -162,20 +179,20 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for c in contexts:
             for v in names:  # interleaved: every variant sees the same machine state
-                timings[(v, c)] += steps(models[v][0], all_ids[:c], args.steps, v)
+                timings[(v, c)] += steps(models[v][0], models[v][1], all_ids[:c], args.steps, v)
     rows, figures = [], {}
     for c in contexts:
         base = statistics.median(timings[(names[0], c)])
         for v in names:
             ms = statistics.median(timings[(v, c)]) * 1e3
-            figures[f"{v}@{c}"] = {"step_ms": ms, "tokens_per_s": 1e3 / ms, "convert_s": models[v][1]}
-            rows.append([c, v, f"{ms:.1f}", f"{1e3 / ms:.1f}", f"{base * 1e3 / ms:.2f}x", f"{models[v][1]:.1f}"])
+            figures[f"{v}@{c}"] = {"step_ms": ms, "tokens_per_s": 1e3 / ms, "convert_s": models[v][2]}
+            rows.append([c, v, f"{ms:.1f}", f"{1e3 / ms:.1f}", f"{base * 1e3 / ms:.2f}x", f"{models[v][2]:.1f}"])
     bc.print_table(f"Decode step, median of {args.rounds} x {args.steps} steps, {lm.dtype}, {args.threads} threads",
                    ["context", "variant", "ms/step", "tok/s", f"vs {names[0]}", "convert s"], rows)
     if not args.no_profile:
         prof_rows = []
         for v in names:
-            split = profile(models[v][0], all_ids[: contexts[-1]], args.steps, v)
+            split = profile(models[v][0], models[v][1], all_ids[: contexts[-1]], args.steps, v)
             figures[f"{v}@{contexts[-1]}"]["profile_ms"] = split
             prof_rows.append([v, *(f"{split[g]:.1f}" for g in split)])
         bc.print_table(f"Where a step goes at context {contexts[-1]} (ms/step, under the profiler)",

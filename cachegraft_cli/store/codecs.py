@@ -592,21 +592,28 @@ class TransformCodec(Codec):
         with one_blas_thread(), ThreadPoolExecutor(threads) as pool:
             cuts = np.array_split(np.arange(len(heads)), threads)
             parts = list(pool.map(lambda ix: self._synthesise(cal, code[ix], heads[ix]), cuts))
-            rk, rv = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
-            passages = self._passages(reads, heads, rk, rv)
+            passages = self._passages(reads, heads, parts, [len(ix) for ix in cuts])
             return list(pool.map(lambda kvp: tf.join(*kvp, cal.arrays["inv_freq"], self.heads), passages))
 
-    def _passages(self, reads, heads: np.ndarray, rk: np.ndarray, rv: np.ndarray) -> list[tuple]:
-        """Each read's (keys, values, positions) cut from the rebuilt groups `(groups, g, L, C)`."""
+    def _passages(self, reads, heads: np.ndarray, parts: list, sizes: list[int]) -> list[tuple]:
+        """Each read's (keys, values, positions), `(tokens, L, C)` views where they can be, cut from
+        the rebuilt groups: `parts`, each thread's layer-major `(L, groups, g, C)` keys and values
+        for `sizes` groups in turn. No copy of the whole batch: `join` makes each read's one copy."""
         g, out, at = self.group, [], 0
+        ends = np.cumsum(sizes)
         for stored, start, stop in reads:
             n = len(stored["head"])
-            h, k, v = heads[at: at + n], rk[at: at + n], rv[at: at + n]
+            h = heads[at: at + n]
+            k, v = (_groups([p[i] for p in parts], ends, at, at + n) for i in (0, 1))
             at += n
-            valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)  # a segment's last group may be short
             first = start // g * g
-            k, v = (r.reshape((n * g,) + r.shape[2:])[valid][start - first: stop - first] for r in (k, v))
-            out.append((k, v, stored["pos"][:, 0].astype(np.int64) + self.offset))
+            if (h[:-1, 1] == g).all():  # only the last group may be short: tokens are a plain slice
+                k, v = (r.reshape((r.shape[0], n * g, r.shape[-1]))[:, start - first: stop - first] for r in (k, v))
+            else:  # a short group inside (a segment's last): keep its valid tokens only
+                valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)
+                k, v = (r.reshape((r.shape[0], n * g, r.shape[-1]))[:, valid][:, start - first: stop - first]
+                        for r in (k, v))
+            out.append((np.moveaxis(k, 0, 1), np.moveaxis(v, 0, 1), stored["pos"][:, 0].astype(np.int64) + self.offset))
         return out
 
     def _synthesise(self, cal, code: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -617,7 +624,19 @@ class TransformCodec(Codec):
         coded = tf.Coded.empty(coder.order, (self.layers, 2, c), len(heads), g)
         for i, (words, h) in enumerate(zip(code, heads)):
             coder.decode_ordered(words[: h[0]], int(h[1]), out=coded.buffer[i, :-1, : h[1]])
-        return tf.synthesise(cal, coded, np.repeat(2.0 ** heads[:, 2:3], g, axis=1))
+        keys, values = tf.synthesise(cal, coded, np.repeat(2.0 ** heads[:, 2:3], g, axis=1))
+        return np.moveaxis(keys, -2, 0), np.moveaxis(values, -2, 0)  # layer-major, as rebuilt: contiguous
+
+
+def _groups(parts: list[np.ndarray], ends: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Groups `lo:hi` of the batch, from per-thread layer-major `parts` ending at `ends`: a view
+    when one part holds them all."""
+    pieces, begin = [], 0
+    for part, end in zip(parts, ends.tolist()):
+        if lo < end and hi > begin:
+            pieces.append(part[:, max(lo, begin) - begin: min(hi, end) - begin])
+        begin = end
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
 
 
 def bands(cal) -> int:
