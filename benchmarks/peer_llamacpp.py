@@ -21,7 +21,7 @@ questions from 4 concurrent clients in turn, so the servers never share the core
 
 Reported per system, k and client count: time to first token (p50, p90, at the client: request
 sent to first content), decode tokens/s (tokens after the first over the time after the first,
-summed over answers), whole-answer latency (p50), answers/s, EM/F1 against the gold answers,
+summed over answers) and decode steps/s (the same with the step of each stop token counted), whole-answer latency (p50), answers/s, EM/F1 against the gold answers,
 and how often the peer's answers equal our `text` answers (a check that the prompts match).
 
     python benchmarks/peer_llamacpp.py [--per-set 40] [--k 1,3,5] [--clients 1,4] [--four-k 3,5]
@@ -306,9 +306,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def row(answers: list[dict], items: list[dict], wall: float | None) -> dict | None:
+def row(answers: list[dict], items: list[dict], wall: float | None, max_tokens: int = 16) -> dict | None:
     """The figures of one cell over its answered requests (`errors`: the failed ones); None when
-    every request failed."""
+    every request failed. `decode_steps_s` counts each answer's last step too: an answer shorter
+    than `max_tokens` ended on a stop token that neither server streams, a step with no token, so
+    short answers lower tokens/s but not the step rate."""
     from cachegraft_cli.evaluation.metrics import exact_match, f1_score
 
     errors = sum("error" in a for a in answers)
@@ -317,12 +319,14 @@ def row(answers: list[dict], items: list[dict], wall: float | None) -> dict | No
         return None
     firsts, ends = [a["first"] for a in answers], [a["end"] for a in answers]
     after = [(a["tokens"] - 1, a["end"] - a["first"]) for a in answers if a["tokens"] > 1]
+    stops = sum(a["tokens"] < max_tokens for a in answers if a["tokens"] > 1)
     golds = [items[a["item"]]["answers"] for a in answers]
     return {
         "answers": len(answers), "errors": errors,
         "ttft_p50": statistics.median(firsts), "ttft_p90": pct(firsts, 0.9),
         "whole_p50": statistics.median(ends), "whole_mean": statistics.mean(ends),
         "decode_tok_s": sum(t for t, _ in after) / max(sum(s for _, s in after), 1e-9),
+        "decode_steps_s": (sum(t for t, _ in after) + stops) / max(sum(s for _, s in after), 1e-9),
         "tokens_mean": statistics.mean(a["tokens"] for a in answers),
         "answers_per_s": len(answers) / (wall if wall else sum(ends)),
         "em": 100 * statistics.mean(exact_match(a["text"], g) for a, g in zip(answers, golds)),
@@ -341,10 +345,10 @@ def agreement(runs: dict, k: int, clients: int) -> float | None:
 
 def report(rows: dict, agree: dict, same: float, args) -> None:
     headers = ["system", "k", "clients", "n", "failed", "TTFT p50", "TTFT p90", "whole p50", "decode tok/s",
-               "answers/s", "EM", "F1"]
+               "steps/s", "answers/s", "EM", "F1"]
     table = [[s, k, c, r["answers"], r["errors"], f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}",
-              f"{r['whole_p50']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['answers_per_s']:.3f}", f"{r['em']:.1f}",
-              f"{r['f1']:.1f}"]
+              f"{r['whole_p50']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_steps_s']:.1f}",
+              f"{r['answers_per_s']:.3f}", f"{r['em']:.1f}", f"{r['f1']:.1f}"]
              for (s, k, c), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0]))]
     bc.print_table(f"Text RAG on llama.cpp vs CacheGraft serve (--weights {args.weights}), "
                    f"{args.max_tokens} new tokens, greedy", headers, table)
@@ -358,9 +362,10 @@ def report(rows: dict, agree: dict, same: float, args) -> None:
         p = rows[("peer-text", k, c)]
         ft, wa = p["ttft_p50"] / r["ttft_p50"], p["whole_p50"] / r["whole_p50"]
         dec = r["decode_tok_s"] / max(p["decode_tok_s"], 1e-9)
+        steps = r["decode_steps_s"] / max(p["decode_steps_s"], 1e-9)
         print(f"k={k}, {c} client(s): peer/graft first token {ft:.1f}x {bc.verdict(ft, GOALS['first_token'], False)}"
               f"; whole answer {wa:.1f}x {bc.verdict(wa, GOALS['whole_answer'], False)}; graft/peer decode "
-              f"{dec:.2f}x {bc.verdict(dec, GOALS['decode'], False)}")
+              f"{dec:.2f}x {bc.verdict(dec, GOALS['decode'], False)} (per step {steps:.2f}x)")
 
 
 def main(argv=None) -> int:
@@ -396,7 +401,7 @@ def main(argv=None) -> int:
         for proc in (peer, ours):
             proc.terminate()
             proc.wait(timeout=120)
-    cells = {key: row(answers, items, walls.get(key)) for key, answers in runs.items()}
+    cells = {key: row(answers, items, walls.get(key), args.max_tokens) for key, answers in runs.items()}
     rows = {key: r for key, r in cells.items() if r is not None}
     failed = sum("error" in a for xs in runs.values() for a in xs)
     if failed:

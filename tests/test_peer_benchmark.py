@@ -38,6 +38,8 @@ def test_figures_of_a_level(peer):
     answers = [_answer(0, 0.5, 1.5, 11, "Paris"), _answer(1, 1.0, 2.0, 1, "1911")]
     row = peer.row(answers, items, wall=None)
     assert row["decode_tok_s"] == pytest.approx(10.0)  # one-token answers have no decode time
+    assert row["decode_steps_s"] == pytest.approx(11.0)  # 11 < 16 tokens: it stopped, one step more
+    assert peer.row(answers, items, wall=None, max_tokens=11)["decode_steps_s"] == pytest.approx(10.0)  # cut off
     assert row["ttft_p50"] == pytest.approx(0.75) and row["whole_p50"] == pytest.approx(1.75)
     assert row["answers_per_s"] == pytest.approx(2 / 3.5)  # one client: answers over their summed time
     assert peer.row(answers, items, wall=2.0)["answers_per_s"] == pytest.approx(1.0)
