@@ -21,8 +21,9 @@ questions from 4 concurrent clients in turn, so the servers never share the core
 
 Reported per system, k and client count: time to first token (p50, p90, at the client: request
 sent to first content), decode tokens/s (tokens after the first over the time after the first,
-summed over answers) and decode steps/s (the same with the step of each stop token counted), whole-answer latency (p50), answers/s, EM/F1 against the gold answers,
-and how often the peer's answers equal our `text` answers (a check that the prompts match).
+summed over answers) and decode steps/s (the same with the step of each stop token counted),
+whole-answer latency (p50), answers/s, EM/F1 against the gold answers, and how often the peer's
+answers equal our `text` answers (a check that the prompts match).
 
     python benchmarks/peer_llamacpp.py [--per-set 40] [--k 1,3,5] [--clients 1,4] [--four-k 3,5]
 
