@@ -320,14 +320,15 @@ def row(answers: list[dict], items: list[dict], wall: float | None, max_tokens: 
         return None
     firsts, ends = [a["first"] for a in answers], [a["end"] for a in answers]
     after = [(a["tokens"] - 1, a["end"] - a["first"]) for a in answers if a["tokens"] > 1]
+    decoded, seconds = sum(t for t, _ in after), max(sum(s for _, s in after), 1e-9)
     stops = sum(a["tokens"] < max_tokens for a in answers if a["tokens"] > 1)
     golds = [items[a["item"]]["answers"] for a in answers]
     return {
         "answers": len(answers), "errors": errors,
         "ttft_p50": statistics.median(firsts), "ttft_p90": pct(firsts, 0.9),
         "whole_p50": statistics.median(ends), "whole_mean": statistics.mean(ends),
-        "decode_tok_s": sum(t for t, _ in after) / max(sum(s for _, s in after), 1e-9),
-        "decode_steps_s": (sum(t for t, _ in after) + stops) / max(sum(s for _, s in after), 1e-9),
+        "decode_tok_s": decoded / seconds,
+        "decode_steps_s": (decoded + stops) / seconds,
         "tokens_mean": statistics.mean(a["tokens"] for a in answers),
         "answers_per_s": len(answers) / (wall if wall else sum(ends)),
         "em": 100 * statistics.mean(exact_match(a["text"], g) for a, g in zip(answers, golds)),

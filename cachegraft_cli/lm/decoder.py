@@ -106,7 +106,6 @@ class Layer:
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.scaling, self.head_dim = attn.scaling, attn.head_dim
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.inner = mlp.gate_proj.out_features
         # Qwen3's q and k norms as one: each head's weights in a (heads + kv_heads, dim) table
         q_norm: Any = getattr(attn, "q_norm", None)
         self.qk_norm = None if q_norm is None else torch.cat([
@@ -146,8 +145,7 @@ class Decoder:
         seen = None if mask is None or bool(mask.all()) else mask.bool()[:, None, None, :]
         for index, layer in enumerate(self.layers):
             h = h + self._attention(layer, index, rms_norm(h, layer.input_norm), cos, sin, cache, seen)
-            gate_up = layer.gate_up(rms_norm(h, layer.post_norm))
-            gate, up = gate_up[..., :layer.inner], gate_up[..., layer.inner:]
+            gate, up = layer.gate_up(rms_norm(h, layer.post_norm)).chunk(2, dim=-1)  # both intermediate_size wide
             h = h + layer.down_proj(layer.act(gate) * up)
         return self.head(rms_norm(h, self.norm)[:, -1])
 

@@ -157,8 +157,8 @@ def model_geometry(config) -> Geometry:
     return Geometry(text.num_hidden_layers, kv_heads, head_dim)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's half rotation, as transformers writes it (the decode step and key re-rotation share it)."""
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's half rotation, as transformers writes it."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -200,7 +200,7 @@ class KeyRotator:
         cos = angles.cos().to(keys.device)
         sin = angles.sin().to(keys.device)
         head = keys[..., :rot_dim].to(torch.float64)
-        rotated = (head * cos + rotate_half(head) * sin).to(keys.dtype)
+        rotated = (head * cos + _rotate_half(head) * sin).to(keys.dtype)
         if rot_dim == keys.shape[-1]:
             return rotated
         return torch.cat([rotated, keys[..., rot_dim:]], dim=-1)

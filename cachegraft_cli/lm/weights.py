@@ -111,9 +111,9 @@ class QuantisedLinear(torch.nn.Module):
                               for m in layers]) if given else None
         for name, axis in cls.ROWS.items():
             out.register_buffer(name, torch.cat([getattr(m, name) for m in layers], dim=axis))
-        at = 0
+        leading, at = [n for n, axis in cls.ROWS.items() if axis == 0], 0
         for m in layers:
-            for name in [n for n, axis in cls.ROWS.items() if axis == 0]:
+            for name in leading:
                 setattr(m, name, getattr(out, name)[at: at + m.out_features])
             at += m.out_features
         return out
@@ -156,7 +156,6 @@ class Int8Linear(QuantisedLinear):
         return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
 
-
 class Int4Linear(QuantisedLinear):
     """Int4 weights, a scale and a zero point per `INT4_GROUP` inputs (asymmetric, the group's
     range mapped onto 0..15)."""
@@ -177,8 +176,6 @@ class Int4Linear(QuantisedLinear):
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
-
-
 
 
 def set_decode_rows(model: torch.nn.Module, rows: int) -> int:

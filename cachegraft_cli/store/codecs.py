@@ -600,19 +600,17 @@ class TransformCodec(Codec):
         the rebuilt groups: `parts`, each thread's layer-major `(L, groups, g, C)` keys and values
         for `sizes` groups in turn. No copy of the whole batch: `join` makes each read's one copy."""
         g, out, at = self.group, [], 0
-        ends = np.cumsum(sizes)
+        ends = np.cumsum(sizes).tolist()
         for stored, start, stop in reads:
             n = len(stored["head"])
             h = heads[at: at + n]
             k, v = (_groups([p[i] for p in parts], ends, at, at + n) for i in (0, 1))
             at += n
             first = start // g * g
-            if (h[:-1, 1] == g).all():  # only the last group may be short: tokens are a plain slice
-                k, v = (r.reshape((r.shape[0], n * g, r.shape[-1]))[:, start - first: stop - first] for r in (k, v))
-            else:  # a short group inside (a segment's last): keep its valid tokens only
-                valid = (np.arange(g)[None, :] < h[:, 1:2]).reshape(-1)
-                k, v = (r.reshape((r.shape[0], n * g, r.shape[-1]))[:, valid][:, start - first: stop - first]
-                        for r in (k, v))
+            tokens: slice | np.ndarray = slice(start - first, stop - first)  # a view while only the last group is short
+            if not (h[:-1, 1] == g).all():  # a short group inside (a segment's last): its valid tokens only
+                tokens = np.flatnonzero(np.arange(g)[None, :] < h[:, 1:2])[tokens]
+            k, v = (r.reshape((r.shape[0], n * g, r.shape[-1]))[:, tokens] for r in (k, v))
             out.append((np.moveaxis(k, 0, 1), np.moveaxis(v, 0, 1), stored["pos"][:, 0].astype(np.int64) + self.offset))
         return out
 
@@ -628,11 +626,11 @@ class TransformCodec(Codec):
         return np.moveaxis(keys, -2, 0), np.moveaxis(values, -2, 0)  # layer-major, as rebuilt: contiguous
 
 
-def _groups(parts: list[np.ndarray], ends: np.ndarray, lo: int, hi: int) -> np.ndarray:
+def _groups(parts: list[np.ndarray], ends: list[int], lo: int, hi: int) -> np.ndarray:
     """Groups `lo:hi` of the batch, from per-thread layer-major `parts` ending at `ends`: a view
     when one part holds them all."""
     pieces, begin = [], 0
-    for part, end in zip(parts, ends.tolist()):
+    for part, end in zip(parts, ends):
         if lo < end and hi > begin:
             pieces.append(part[:, max(lo, begin) - begin: min(hi, end) - begin])
         begin = end
