@@ -13,7 +13,7 @@ The verbs are the CLI's: `encode`, `index`, `ask` (and `ask_many`, its batch for
 `cg.ask` / `cg.ask_many` are one-shot forms (open, answer, forget). Ask settings are
 typed keyword arguments (`AskSettings`: `system`, `k`, `scheme`, `order`, `recompute`,
 `blend`, `blend_layer` and the generation settings `max_new_tokens`, `temperature`,
-`top_p`, `seed`), or a whole `AskOptions` passed as `options=`. Errors are
+`top_p`, `seed`, `draft_tokens`), or a whole `AskOptions` passed as `options=`. Errors are
 `CacheGraftError`s (`message`, `hint`, `exit_code`). Nothing here prints: pass
 `progress=` to `encode` for a progress callback. `encode` takes its settings as three
 objects: `models=Models(...)`, `options=EncodeOptions(...)`, `source=CorpusSource(...)`.
@@ -60,6 +60,7 @@ class AskSettings(TypedDict, total=False):
     temperature: float
     top_p: float
     seed: int | None
+    draft_tokens: int
 
 
 def __getattr__(name: str) -> Any:

@@ -254,6 +254,9 @@ BAD_CALLS = [
     ("ask-seed-str", _ask(seed="x"), "seed"),
     ("ask-seed-negative", _ask(seed=-1), "seed"),
     ("ask-seed-float", _ask(seed=1.5), "seed"),
+    ("ask-draft-tokens-negative", _ask(draft_tokens=-1), "draft_tokens"),
+    ("ask-draft-tokens-eight", _ask(draft_tokens=8), "draft_tokens"),
+    ("ask-draft-tokens-str", _ask(draft_tokens="7"), "draft_tokens"),
     # Store.ask_many: every argument
     ("many-string", _many("abc"), "questions must be a list"),
     ("many-none", _many(None), "questions must be a list"),

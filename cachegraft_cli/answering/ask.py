@@ -16,6 +16,7 @@ systems too.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -317,7 +318,16 @@ class Asker:
         assembly = options.assembly
         needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
         passage_ids = self._passage_ids(plan.prompt_rows, arrays, kept) if needs_ids else []
-        return self._assembler.prompt(arrays, passage_ids, plan.question_ids, assembly, kept)
+        prompt = self._assembler.prompt(arrays, passage_ids, plan.question_ids, assembly, kept)
+        prompt.source = functools.partial(self._draft_source, plan)  # read once the first token is out
+        return prompt
+
+    def _draft_source(self, plan: PromptPlan) -> list[int]:
+        """The ids a greedy answer copies drafts from (`lm/drafting.py`): the passages' tokens in
+        prompt order, then the question's (the caches hold no ids; the passages are re-tokenized)."""
+        template = self.session.template
+        passages = [t for row in plan.prompt_rows for t in template.passage_ids(row.title, row.read_text)]
+        return passages + list(plan.question_ids)
 
     def _passage_ids(self, rows, arrays, kept) -> list[list[int]]:
         """Token ids of the stored passages (re-tokenized), checked against their lengths before pruning."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.lm.generation import Prompt, Row, Stepper, decode_step, prefill_batch
+from cachegraft_cli.lm.generation import Prompt, Row, Stepper, decode_step, forget, prefill_batch, row_step
 
 
 @dataclass
@@ -68,6 +68,8 @@ class RunningBatch:
         """One decode step of every row; returns the rows that ended with it (they leave)."""
         if not self.rows or self.block is None:
             return []
+        if len(self.rows) == 1:
+            return self._step_alone(self.rows[0])
         b = self.block
         if b.mask is not None:
             b.mask = torch.cat([b.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
@@ -76,6 +78,22 @@ class RunningBatch:
         b.positions = b.positions + 1
         for row, row_logits in zip(self.rows, logits):
             row.take(row_logits)
+        return self._drop_done()
+
+    def _step_alone(self, row: Row) -> list[Row]:
+        """A lone row's step, as `generate` takes it: its last token and any drafts copied from
+        its prompt (`lm/drafting.py`) in one forward, the drafts greedy decoding would not have
+        picked forgotten."""
+        b, fed = self.block, [row.out[-1], *row.drafts()]
+        assert b is not None
+        if b.mask is not None:
+            b.mask = torch.cat([b.mask, torch.ones(1, len(fed), dtype=torch.long)], dim=1)
+        b.cache, logits = row_step(self.lm, b.cache, fed, b.positions[:, None] + torch.arange(len(fed)), b.mask)
+        unused = row.take_checked(logits, fed[1:])
+        if unused:
+            b.cache = forget(b.cache, unused)
+            b.mask = None if b.mask is None else b.mask[:, :-unused]
+        b.positions = b.positions + len(fed) - unused
         return self._drop_done()
 
     def _drop_done(self) -> list[Row]:

@@ -1,4 +1,4 @@
-"""One-token decode steps without transformers' module stack.
+"""Decode steps without transformers' module stack.
 
 A decode step of the 0.5B receiver is about 1,000 small tensor operations. Run through
 transformers' modules, each layer also builds masks, dispatches through its attention interface
@@ -13,10 +13,11 @@ kernel call, as are the MLP's gate and up projections: their rows are stored tog
 layer keeps views into them, so no weight is held twice (int4's small scale tables excepted).
 Each output row of the kernel is its own dot product, so the fused call gives what the separate
 ones give. Queries and keys are normed (Qwen3) and rotated as one tensor: each op runs once per
-layer instead of twice, on the same numbers.
+layer instead of twice, on the same numbers. A step may also read a few tokens per row
+(`Decoder.run`: a greedy answer's last token and the drafts it checks, `drafting.py`).
 
 Only decoder layers of the Qwen2 / Qwen3 shape (pre-norm attention with optional q/k norms, a
-gated MLP, full attention everywhere, packed one-token GQA from `gqa.py`) are run here;
+gated MLP, full attention everywhere, GQA packed as `gqa.py` packs it) are run here;
 `Decoder.for_model` returns None for anything else and callers keep transformers' forward.
 """
 
@@ -134,30 +135,51 @@ class Decoder:
         `mask` `(rows, slots)`, nonzero where a row sees a cache slot (the new token's included),
         or None when every row sees every slot. The token's keys and values go into `cache` (a
         transformers cache, as the model's forward takes)."""
+        return self.run(cache, ids, positions, mask)[:, -1]
+
+    def run(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`step` for several new tokens per row (`ids`, `positions` `(rows, n)`), each seeing
+        the ones before it: logits `(rows, n, vocab)`, the next token's after each (a step that
+        checks copied drafts, `drafting.py`)."""
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
-        # (rows, 1, 1, dim): the same angle for every head. RoPE's rotate_half negates the second
+        # (rows, n, 1, dim): the same angle for every head. RoPE's rotate_half negates the second
         # half of a head and swaps the halves; the sign goes into sin instead (exactly: negation
         # commutes with a product), so a rotation is one flip and three products.
         half = sin.shape[-1] // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
-        # a mask that hides nothing is dropped, as transformers drops it
-        seen = None if mask is None or bool(mask.all()) else mask.bool()[:, None, None, :]
+        seen = self._seen(cache, ids.shape[1], mask)
         for index, layer in enumerate(self.layers):
             h = h + self._attention(layer, index, rms_norm(h, layer.input_norm), cos, sin, cache, seen)
             gate, up = layer.gate_up(rms_norm(h, layer.post_norm)).chunk(2, dim=-1)  # both intermediate_size wide
             h = h + layer.down_proj(layer.act(gate) * up)
-        return self.head(rms_norm(h, self.norm)[:, -1])
+        return self.head(rms_norm(h, self.norm))
+
+    def _seen(self, cache: Any, new: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The boolean attention mask `(rows, 1, 1 or new, slots)` of what each new token sees,
+        or None when every token sees every slot (one new token and nothing hidden: transformers
+        drops such a mask too)."""
+        seen = None if mask is None or bool(mask.all()) else mask.bool()[:, None, None, :]
+        if new == 1:
+            return seen
+        slots = cache.get_seq_length() + new  # the new tokens' slots included
+        causal = torch.ones(new, slots, dtype=torch.bool).tril(slots - new)  # token j sees slots up to its own
+        return causal[None, None] if seen is None else seen & causal
 
     @staticmethod
     def _attention(layer: Layer, index: int, x: torch.Tensor, cos, sin, cache, seen) -> torch.Tensor:
-        rows, dim, heads, kv = x.shape[0], layer.head_dim, layer.heads, layer.kv_heads
-        qkv = layer.qkv(x).view(rows, 1, heads + 2 * kv, dim)
+        rows, new, dim, heads, kv = x.shape[0], x.shape[1], layer.head_dim, layer.heads, layer.kv_heads
+        qkv = layer.qkv(x).view(rows, new, heads + 2 * kv, dim)
         qk, v = qkv[:, :, :heads + kv], qkv[:, :, heads + kv:]  # q and k are normed and rotated as one
         if layer.qk_norm is not None:
             qk = layer.qk_norm * normalised(qk, layer.qk_eps)
         qk = qk * cos + qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2) * sin
         keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2), index)
-        packed = qk[:, :, :heads].reshape(rows, kv, heads // kv, dim)  # one-token GQA as gqa.cpu_sdpa packs it
-        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=seen, scale=layer.scaling)
-        return layer.o_proj(out.reshape(rows, 1, heads * dim))
+        # GQA packed as gqa.cpu_sdpa packs it: each KV head's query heads, token after token
+        packed = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv, heads // kv * new, dim)
+        mask = seen
+        if seen is not None and new > 1:  # each packed row keeps its token's mask row
+            mask = seen.expand(rows, heads, new, seen.shape[-1]).reshape(rows, kv, heads // kv * new, -1)
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=layer.scaling)
+        return layer.o_proj(out.view(rows, heads, new, dim).transpose(1, 2).reshape(rows, new, heads * dim))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from cachegraft_cli.lm import decoder, kvcache
+from cachegraft_cli.lm.drafting import CopyDrafter
 from cachegraft_cli.lm.kvcache import PlainKV
 from cachegraft_cli.lm.sampling import GenerationOptions
 
@@ -36,6 +37,9 @@ class Prompt:
     visible: torch.Tensor | None = None
     hidden: list[int] = field(default_factory=list)
     recomputed: int = 0  # how many of `ids` (the first ones) are recomputed passage tokens
+    # the token ids greedy answers copy drafts from (`drafting.py`); None: `ids`. A callable is
+    # called once the first token is out (a stored-cache prompt re-tokenizes its passages then)
+    source: Sequence[int] | Callable[[], Sequence[int]] | None = None
 
     @classmethod
     def plain(cls, past: PlainKV | None, ids: list[int], start: int) -> "Prompt":
@@ -84,6 +88,15 @@ def _find_stop_ids(lm) -> set[int]:
     return ids
 
 
+# Two logits closer than this many units in the last place (of the model's dtype, at the top logit),
+# or than CLOSE_CALL_FLOOR, are a close call a several-token forward leaves to a one-token step
+# (`Row.take_checked`). Measured on the offline receiver (2026-12-07, AVX512-BF16): a forward of 8
+# tokens moved single logits from the one-token step's by at most 0.25 in bf16 (2 units at the top
+# logit) and 2.5e-5 in float32 (where the floor, 40 times that, decides).
+CLOSE_CALL_ULPS = 4
+CLOSE_CALL_FLOOR = 1e-3
+
+
 @dataclass(eq=False)
 class Row:
     """One answer being decoded (by `generate`, or in `batching.RunningBatch`). `started` is when
@@ -108,6 +121,44 @@ class Row:
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.t_first: float | None = None
         self.done = self.config.max_new_tokens <= 0
+        greedy = self.config.temperature <= 0 and self.config.draft_tokens > 0
+        source = self.prompt.source if self.prompt.source is not None else self.prompt.ids
+        self.drafter = CopyDrafter(source, self.config.draft_tokens) if greedy else None
+        self.near = CLOSE_CALL_ULPS * torch.finfo(lm.dtype).eps  # a close call's margin, per logit
+        self.alone_next = False
+
+    def drafts(self) -> list[int]:
+        """Tokens to check with the next step after the last one (`drafting.py`): none when
+        sampling, drafting is off, the answer's last tokens are nowhere in the source, or the
+        step before left a close call to a one-token step."""
+        if self.drafter is None or self.alone_next:
+            self.alone_next = False
+            return []
+        return self.drafter.draft(self.out, self.config.max_new_tokens - len(self.out))
+
+    def take_checked(self, logits: torch.Tensor, drafts: list[int]) -> int:
+        """Take the choices of a step that fed the last token and then `drafts`: `logits`
+        `(1 + len(drafts), vocab)`, each the next token's after the tokens fed before it. A
+        choice counts while the drafts before it were the choices; returns how many fed tokens
+        the cache must forget (the drafts after the first that greedy decoding did not pick).
+
+        A several-token forward rounds otherwise than a one-token step (by up to 2 units in the
+        last place of the model's dtype at the top logit, measured in bf16: docs/results.md,
+        "Copied drafts"), so where the two best logits are closer than CLOSE_CALL_ULPS such
+        units the choice is left to a one-token step: that token is forgotten too and fed again
+        alone."""
+        for i, row_logits in enumerate(logits):
+            if drafts and self._close_call(row_logits):
+                self.alone_next = True
+                return len(drafts) + 1 - i
+            self.take(row_logits)
+            if self.done or i == len(drafts) or self.out[-1] != drafts[i]:
+                return len(drafts) - i
+        return 0
+
+    def _close_call(self, logits: torch.Tensor) -> bool:
+        top = torch.topk(logits, 2).values
+        return bool(top[0] - top[1] < max(self.near * abs(float(top[0])), CLOSE_CALL_FLOOR))
 
     def take(self, logits: torch.Tensor) -> None:
         """Pick the next token from `logits`: a stop token ends the row; any other is kept and
@@ -150,10 +201,10 @@ def generate(
     logits = step.first()
     row = Row(prompt, config, on_text, cancelled, started)
     row.begin(lm, t_call, time.perf_counter())
-    while not row.done:
-        row.take(logits)
-        if not row.done:  # no forward pass for a token that would never be read
-            logits = step([row.out[-1]])
+    row.take(logits)
+    while not row.done:  # no forward pass for a token that would never be read
+        drafts = row.drafts()
+        step.forget(row.take_checked(step.many([row.out[-1], *drafts]), drafts))
     return row.generation(lm.tokenizer)
 
 
@@ -200,15 +251,24 @@ class Stepper:
         return self._forward(p.ids, torch.tensor([p.positions], device=device), **kwargs)
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
-        positions = torch.arange(self.position, self.position + len(ids), device=self.lm.device)[None]
+        """Float32 logits `(vocab,)` of the token after `ids`, fed at the next positions."""
+        return self.many(ids)[-1]
+
+    def many(self, ids: list[int]) -> torch.Tensor:
+        """Float32 logits `(len(ids), vocab)`: the next token's after each of `ids`."""
+        positions = torch.arange(self.position, self.position + len(ids))[None]
         self.position += len(ids)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
-        if len(ids) == 1:
-            self.cache, logits = decode_step(self.lm, self.cache, torch.tensor([ids]), positions, self.mask)
-            return logits[0]
-        kwargs = {} if self.mask is None else {"attention_mask": self.mask.to(self.lm.device)}
-        return self._forward(ids, positions, **kwargs)
+        self.cache, logits = row_step(self.lm, self.cache, ids, positions, self.mask)
+        return logits
+
+    def forget(self, n: int) -> None:
+        """Drop the last `n` tokens fed (drafts greedy decoding did not pick)."""
+        if n > 0:
+            self.cache = forget(self.cache, n)
+            self.position -= n
+            self.mask = None if self.mask is None else self.mask[:, :-n]
 
     def _forward(self, ids: list[int], positions: torch.Tensor, **kwargs) -> torch.Tensor:
         out = self.lm.model(
@@ -221,6 +281,31 @@ class Stepper:
         )
         self.cache = out.cache
         return out.logits[0, -1].float()
+
+
+def row_step(lm, cache, ids: list[int], positions: torch.Tensor,
+             mask: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    """One row's step after `cache`: `ids` (its last token, then any drafts) at `positions`
+    `(1, len(ids))`, `mask` `(1, slots)` of what it sees (None: everything, the new ids
+    included). Returns the cache and float32 logits `(len(ids), vocab)`, the next token's after
+    each id. One id is `decode_step`; several are one forward of the model."""
+    if len(ids) == 1:
+        cache, logits = decode_step(lm, cache, torch.tensor([ids]), positions, mask)
+        return cache, logits
+    device = lm.device
+    lean = decoder.for_model(lm.model)
+    if lean is not None and cache is not None:
+        return cache, lean.run(cache, torch.tensor([ids], device=device), positions.to(device), mask)[0].float()
+    kwargs = {} if mask is None else {"attention_mask": mask.to(device)}
+    out = lm.model(input_ids=torch.tensor([ids], device=device), cache=cache, position_ids=positions.to(device),
+                   use_cache=True, logits_to_keep=len(ids), **kwargs)
+    return out.cache, out.logits[0].float()
+
+
+def forget(cache, n: int):
+    """`cache` without its last `n` slots (in place: a growing layer keeps its buffer)."""
+    cache.crop(-n)  # transformers' crop takes the count to remove, negated
+    return cache
 
 
 def decode_step(lm, cache, ids: torch.Tensor, positions: torch.Tensor,

@@ -1,16 +1,19 @@
-"""Single-token attention with grouped KV heads, fast on CPU.
+"""Attention with grouped KV heads, fast on CPU.
 
 When a decode step reads its cache without a mask, transformers' SDPA attention calls
 `scaled_dot_product_attention(..., enable_gqa=True)`, and on CPU that kernel is slow for one
 query: with the 0.5B receiver's shape (14 query heads over 2 KV heads, head dim 64, 600 cached
 tokens, bf16) it took 0.54 ms per layer against 0.07 ms for the same attention with the query
-heads packed under their KV heads, which is what transformers itself does when a mask is given
-(2026-12-06, 2-core AMD EPYC with AVX512-BF16). That was 13 ms of a 48 ms decode step.
+heads packed under their KV heads (2026-12-06, 2-core AMD EPYC with AVX512-BF16). That was 13
+ms of a 48 ms decode step. A forward of a few tokens with a mask (a decode step checking copied
+drafts, `drafting.py`) gains the same way.
 
-`install(model)` points the model at `cpu_sdpa`: one-token queries on CPU are packed
-`(batch, kv_heads, groups, dim)` and attend with plain SDPA; everything else is transformers'
-own SDPA path, unchanged. Packing is a reshape: each query row attends to the same keys with
-the same scale, so the result differs from the GQA kernel's by float rounding only.
+`install(model)` points the model at `cpu_sdpa`: on CPU, one-token queries, and several queries
+with a mask, are packed `(batch, kv_heads, groups x queries, dim)` (each packed row keeps its
+query's mask row) and attend with plain SDPA; everything else (several queries made causal by a
+flag, not a mask) is transformers' own SDPA path, unchanged. Packing is a reshape: each query
+row attends to the same keys with the same scale, so the result differs from the GQA kernel's
+by float rounding only.
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ def cpu_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if (query.device.type != "cpu" or query.shape[2] != 1 or groups == 1 or dropout
-            or kwargs.get("output_attentions")):
+    queries = query.shape[2]
+    if (query.device.type != "cpu" or groups == 1 or dropout or kwargs.get("output_attentions")
+            or (queries > 1 and attention_mask is None)):  # several queries without a mask: causal by flag
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, _, dim = query.shape
-    packed = query.reshape(batch, heads // groups, groups, dim)
+    kv = heads // groups
+    packed = query.reshape(batch, kv, groups * queries, dim)  # each KV head's query heads, query after query
     mask = attention_mask
-    if mask is not None and mask.shape[1] != 1:  # a mask per query head follows its query
-        mask = mask.reshape(mask.shape[0], heads // groups, groups, mask.shape[-1])
+    if mask is not None:  # each packed row keeps its query's mask row
+        rows = mask.expand(mask.shape[0], heads, queries, mask.shape[-1])
+        mask = rows.reshape(mask.shape[0], kv, groups * queries, mask.shape[-1])
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(out.shape[0], heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(out.shape[0], heads, queries, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def install(model: Any) -> bool:

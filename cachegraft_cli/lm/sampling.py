@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cachegraft_cli.checks import number, optional_whole, probability, whole
 from cachegraft_cli.errors import UsageError
+from cachegraft_cli.lm.drafting import DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 # Below this a float32 softmax of logits / temperature can overflow to inf and sample NaNs.
 MIN_TEMPERATURE = 1e-3
@@ -24,6 +25,9 @@ class GenerationOptions:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    # greedy answers check up to this many tokens copied from the prompt per step (`lm/drafting.py`);
+    # 0 decodes one token per step
+    draft_tokens: int = DRAFT_TOKENS
 
     def check(self) -> GenerationOptions:
         """Refuse a setting decoding cannot use (the API and the CLI share these messages)."""
@@ -34,6 +38,7 @@ class GenerationOptions:
                              f"got {self.temperature!r}.", "Pass 0 for greedy decoding, or e.g. 0.7 to sample.")
         probability("top_p", self.top_p)
         optional_whole("seed (--seed)", self.seed, 0, MAX_SEED)
+        whole("draft_tokens", self.draft_tokens, 0, MAX_DRAFT_TOKENS)
         return self
 
 

@@ -60,6 +60,29 @@ def test_one_row_without_a_mask_generates_what_transformers_generates(tiny_dirs,
     assert lean.token_ids == plain.token_ids and len(lean.token_ids) > 1
 
 
+@pytest.mark.parametrize("role", ["receiver", "sharer_same"])
+@pytest.mark.parametrize("scheme", ["as-loaded", "int4"])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_several_tokens_a_row_step_as_transformers_reads_them(tiny_dirs, role, scheme, hidden):
+    """`Decoder.run` (a last token and its drafts in one step): each token sees the cache and the
+    new tokens before it, and no hidden slot."""
+    lm = load(tiny_dirs, role, scheme)
+    lean = decoder.for_model(lm.model)
+    steppers = [Stepper(lm, Prompt.plain(None, list(range(5, 25)), 0)) for _ in range(2)]
+    mask = torch.ones(1, 25, dtype=torch.long)
+    mask[0, 3:8] = 0 if hidden else 1
+    ids, positions = torch.tensor([[7, 9, 11, 13, 2]]), torch.arange(20, 25)[None]
+    with torch.inference_mode():
+        for s in steppers:
+            s.first()
+        out = lm.model(input_ids=ids, cache=steppers[0].cache, position_ids=positions, use_cache=True,
+                       logits_to_keep=5, attention_mask=mask)
+        have = lean.run(steppers[1].cache, ids, positions, mask if hidden else None).float()
+    torch.testing.assert_close(have, out.logits.float(), **TOL)
+    for a, b in zip(steppers[0].cache.layers, steppers[1].cache.layers):
+        torch.testing.assert_close(b.keys, a.keys, **TOL)
+
+
 def test_one_step_with_hidden_slots_matches(tiny_dirs):
     """`generate`'s 2D mask (stored tokens recomputed in context stay hidden) reaches the lean step."""
     lm = load(tiny_dirs, "receiver", "as-loaded")

@@ -1,4 +1,4 @@
-"""One-token GQA attention packed per KV head (`lm/gqa.py`): the same attention as transformers'
+"""GQA attention packed per KV head (`lm/gqa.py`): the same attention as transformers'
 SDPA path, on random tensors and through a tiny model's decode."""
 
 import pytest
@@ -38,9 +38,9 @@ def test_matches_repeated_kv_attention(heads, kv_heads, mask_kind, q_len):
     layer = _Layer(heads // kv_heads)
     got, weights = gqa.cpu_sdpa(layer, q, k, v, mask, scaling=0.25)
     assert weights is None and got.shape == (batch, q_len, heads, dim) and got.is_contiguous()
-    if q_len == 1:
+    if q_len == 1 or mask is not None:  # packed: several queries each keep their own mask row
         torch.testing.assert_close(got, _reference(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
-    else:  # several queries: transformers' own SDPA path, untouched
+    else:  # several queries without a mask (causal by flag): transformers' own SDPA path, untouched
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         assert torch.equal(got, sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25)[0])
