@@ -49,7 +49,7 @@ class Counter:
     def __init__(self):
         from cachegraft_cli.lm import generation
 
-        self.module, self.real = generation, generation.row_step
+        self.real = generation.row_step
         self.forwards = self.fed = 0
         generation.row_step = self
 

@@ -319,15 +319,16 @@ class Asker:
         needs_ids = len(ids) > 1 and (assembly.recompute > 0 or assembly.blend > 0)
         passage_ids = self._passage_ids(plan.prompt_rows, arrays, kept) if needs_ids else []
         prompt = self._assembler.prompt(arrays, passage_ids, plan.question_ids, assembly, kept)
-        prompt.source = functools.partial(self._draft_source, plan)  # read once the first token is out
+        # the ids greedy answers copy drafts from (`lm/drafting.py`): the passages' own when
+        # recompute or blend tokenized them already, else re-tokenized once the first token is out
+        prompt.source = functools.partial(self._draft_source, plan, passage_ids)
         return prompt
 
-    def _draft_source(self, plan: PromptPlan) -> list[int]:
-        """The ids a greedy answer copies drafts from (`lm/drafting.py`): the passages' tokens in
-        prompt order, then the question's (the caches hold no ids; the passages are re-tokenized)."""
+    def _draft_source(self, plan: PromptPlan, passage_ids: list[list[int]]) -> list[int]:
+        """The passages' tokens in prompt order, then the question's (the caches hold no ids)."""
         template = self.session.template
-        passages = [t for row in plan.prompt_rows for t in template.passage_ids(row.title, row.read_text)]
-        return passages + list(plan.question_ids)
+        passages = passage_ids or [template.passage_ids(row.title, row.read_text) for row in plan.prompt_rows]
+        return [t for ids in passages for t in ids] + list(plan.question_ids)
 
     def _passage_ids(self, rows, arrays, kept) -> list[list[int]]:
         """Token ids of the stored passages (re-tokenized), checked against their lengths before pruning."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cachegraft_cli.lm import kvcache
-from cachegraft_cli.lm.generation import Prompt, Row, Stepper, decode_step, forget, prefill_batch, row_step
+from cachegraft_cli.lm.generation import Prompt, Row, Stepper, decode_row, decode_step, prefill_batch
 
 
 @dataclass
@@ -84,16 +84,10 @@ class RunningBatch:
         """A lone row's step, as `generate` takes it: its last token and any drafts copied from
         its prompt (`lm/drafting.py`) in one forward, the drafts greedy decoding would not have
         picked forgotten."""
-        b, fed = self.block, [row.out[-1], *row.drafts()]
+        b = self.block
         assert b is not None
-        if b.mask is not None:
-            b.mask = torch.cat([b.mask, torch.ones(1, len(fed), dtype=torch.long)], dim=1)
-        b.cache, logits = row_step(self.lm, b.cache, fed, b.positions[:, None] + torch.arange(len(fed)), b.mask)
-        unused = row.take_checked(logits, fed[1:])
-        if unused:
-            b.cache = forget(b.cache, unused)
-            b.mask = None if b.mask is None else b.mask[:, :-unused]
-        b.positions = b.positions + len(fed) - unused
+        b.cache, b.mask, kept = decode_row(self.lm, row, b.cache, b.mask, int(b.positions[0]))
+        b.positions = b.positions + kept
         return self._drop_done()
 
     def _drop_done(self) -> list[Row]:

@@ -157,15 +157,18 @@ class Decoder:
         return self.head(rms_norm(h, self.norm))
 
     def _seen(self, cache: Any, new: int, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The boolean attention mask `(rows, 1, 1 or new, slots)` of what each new token sees,
-        or None when every token sees every slot (one new token and nothing hidden: transformers
-        drops such a mask too)."""
+        """The boolean attention mask of what each new token sees, in the packed GQA layout
+        (`_attention`): `(rows, 1, 1, slots)` for one new token, or None when it sees every slot
+        (transformers drops such a mask too); `(rows, kv_heads, groups x new, slots)` for
+        several, each packed row its token's mask row. The same for every layer."""
         seen = None if mask is None or bool(mask.all()) else mask.bool()[:, None, None, :]
         if new == 1:
             return seen
         slots = cache.get_seq_length() + new  # the new tokens' slots included
         causal = torch.ones(new, slots, dtype=torch.bool).tril(slots - new)  # token j sees slots up to its own
-        return causal[None, None] if seen is None else seen & causal
+        rows = causal[None, None] if seen is None else seen & causal
+        heads, kv = self.layers[0].heads, self.layers[0].kv_heads
+        return rows.expand(-1, heads, new, slots).reshape(rows.shape[0], kv, heads // kv * new, slots)
 
     @staticmethod
     def _attention(layer: Layer, index: int, x: torch.Tensor, cos, sin, cache, seen) -> torch.Tensor:
@@ -178,8 +181,5 @@ class Decoder:
         keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2), index)
         # GQA packed as gqa.cpu_sdpa packs it: each KV head's query heads, token after token
         packed = qk[:, :, :heads].transpose(1, 2).reshape(rows, kv, heads // kv * new, dim)
-        mask = seen
-        if seen is not None and new > 1:  # each packed row keeps its token's mask row
-            mask = seen.expand(rows, heads, new, seen.shape[-1]).reshape(rows, kv, heads // kv * new, -1)
-        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=layer.scaling)
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=seen, scale=layer.scaling)
         return layer.o_proj(out.view(rows, heads, new, dim).transpose(1, 2).reshape(rows, new, heads * dim))

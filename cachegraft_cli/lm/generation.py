@@ -203,8 +203,7 @@ def generate(
     row.begin(lm, t_call, time.perf_counter())
     row.take(logits)
     while not row.done:  # no forward pass for a token that would never be read
-        drafts = row.drafts()
-        step.forget(row.take_checked(step.many([row.out[-1], *drafts]), drafts))
+        step.advance(row)
     return row.generation(lm.tokenizer)
 
 
@@ -252,23 +251,17 @@ class Stepper:
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits `(vocab,)` of the token after `ids`, fed at the next positions."""
-        return self.many(ids)[-1]
-
-    def many(self, ids: list[int]) -> torch.Tensor:
-        """Float32 logits `(len(ids), vocab)`: the next token's after each of `ids`."""
         positions = torch.arange(self.position, self.position + len(ids))[None]
         self.position += len(ids)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones(1, len(ids), dtype=torch.long)], dim=1)
         self.cache, logits = row_step(self.lm, self.cache, ids, positions, self.mask)
-        return logits
+        return logits[-1]
 
-    def forget(self, n: int) -> None:
-        """Drop the last `n` tokens fed (drafts greedy decoding did not pick)."""
-        if n > 0:
-            self.cache = forget(self.cache, n)
-            self.position -= n
-            self.mask = None if self.mask is None else self.mask[:, :-n]
+    def advance(self, row: "Row") -> None:
+        """One decode step of `row` (`decode_row`)."""
+        self.cache, self.mask, kept = decode_row(self.lm, row, self.cache, self.mask, self.position)
+        self.position += kept
 
     def _forward(self, ids: list[int], positions: torch.Tensor, **kwargs) -> torch.Tensor:
         out = self.lm.model(
@@ -302,10 +295,22 @@ def row_step(lm, cache, ids: list[int], positions: torch.Tensor,
     return out.cache, out.logits[0].float()
 
 
-def forget(cache, n: int):
-    """`cache` without its last `n` slots (in place: a growing layer keeps its buffer)."""
-    cache.crop(-n)  # transformers' crop takes the count to remove, negated
-    return cache
+def decode_row(lm, row: Row, cache, mask: torch.Tensor | None, position: int):
+    """One decode step of a lone row: its last token and any drafts copied from its prompt
+    (`Row.drafts`) fed from `position` in one forward, its choices taken (`Row.take_checked`),
+    the fed tokens greedy decoding did not keep cropped from the cache (in place: a growing
+    layer keeps its buffer) and the mask. Returns (cache, mask `(1, slots)` or None, tokens
+    kept). `generate` and `batching.RunningBatch` both step a lone row with it."""
+    fed = [row.out[-1], *row.drafts()]
+    if mask is not None:
+        mask = torch.cat([mask, torch.ones(1, len(fed), dtype=torch.long)], dim=1)
+    positions = torch.arange(position, position + len(fed))[None]
+    cache, logits = row_step(lm, cache, fed, positions, mask)
+    unused = row.take_checked(logits, fed[1:])
+    if unused:
+        cache.crop(-unused)  # transformers' crop takes the count to remove, negated
+        mask = None if mask is None else mask[:, :-unused]
+    return cache, mask, len(fed) - unused
 
 
 def decode_step(lm, cache, ids: torch.Tensor, positions: torch.Tensor,

@@ -40,7 +40,7 @@ def cpu_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     kv = heads // groups
     packed = query.reshape(batch, kv, groups * queries, dim)  # each KV head's query heads, query after query
     mask = attention_mask
-    if mask is not None:  # each packed row keeps its query's mask row
+    if mask is not None and (queries > 1 or mask.shape[1] != 1):  # each packed row keeps its query's mask row
         rows = mask.expand(mask.shape[0], heads, queries, mask.shape[-1])
         mask = rows.reshape(mask.shape[0], kv, groups * queries, mask.shape[-1])
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)

@@ -10,7 +10,7 @@ from conftest import MIN_GREEDY_MARGIN
 from cachegraft_cli.answering.assembly import Assembler, AssemblyOptions
 from cachegraft_cli.errors import UsageError
 from cachegraft_cli.fuser.fusion import PassageFusion
-from cachegraft_cli.lm import batching, generation, kvcache
+from cachegraft_cli.lm import generation, kvcache
 from cachegraft_cli.lm.batching import RunningBatch
 from cachegraft_cli.lm.drafting import MAX_DRAFT_TOKENS, CopyDrafter
 from cachegraft_cli.lm.generation import GenerationOptions, Prompt, Row, generate
@@ -72,7 +72,7 @@ def prompts(tiny_models):
 
 class _Forwards:
     """Forwards after the first token and the tokens they fed (at `generation.row_step`, which
-    `batching` calls too)."""
+    `batching` reaches through `generation.decode_row`)."""
 
     def __init__(self, monkeypatch):
         self.fed: list[int] = []
@@ -83,7 +83,6 @@ class _Forwards:
             return real(lm, cache, ids, positions, mask)
 
         monkeypatch.setattr(generation, "row_step", counted)
-        monkeypatch.setattr(batching, "row_step", counted)
 
 
 def _with_source(prompt: Prompt, source) -> Prompt:
